@@ -1,0 +1,127 @@
+// The only file that knows Python. Tensors cross as raw addresses (data_ptr) plus sizes, so the
+// native library never links libtorch and works with any torch (and numpy) without a rebuild.
+// gradshare/_native.py is its one caller; argument checks with friendly messages live there.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <vector>
+#include "gradshare/kernels.h"
+
+namespace py = pybind11;
+using gs::CountResult;
+using gs::EncodeResult;
+
+namespace {
+
+template <typename T>
+T* ptr(uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
+[[noreturn]] void no_cuda() { throw std::runtime_error("gradshare was built without CUDA kernels"); }
+
+py::tuple count(uintptr_t update, int32_t dtype, uintptr_t residual, int64_t n, float tau, bool cuda,
+                uintptr_t stream) {
+  CountResult r;
+  {
+    py::gil_scoped_release nogil;
+    if (cuda) {
+#ifdef GS_HAVE_CUDA
+      r = gs::count_cuda(ptr<const void>(update), dtype, ptr<const float>(residual), n, tau, ptr<void>(stream));
+#else
+      (void)stream;
+      no_cuda();
+#endif
+    } else {
+      r = gs::count_cpu(ptr<const void>(update), dtype, ptr<const float>(residual), n, tau);
+    }
+  }
+  return py::make_tuple(r.count, r.nonfinite_index);
+}
+
+py::tuple encode(uintptr_t update, int32_t dtype, uintptr_t residual, int64_t n, float tau, float clip,
+                 int32_t choice, uintptr_t out, int64_t capacity, bool cuda, uintptr_t stream) {
+  EncodeResult r;
+  {
+    py::gil_scoped_release nogil;
+    if (cuda) {
+#ifdef GS_HAVE_CUDA
+      r = gs::encode_cuda(ptr<const void>(update), dtype, ptr<float>(residual), n, tau, clip, choice,
+                          ptr<int32_t>(out), capacity, ptr<void>(stream));
+#else
+      (void)stream;
+      no_cuda();
+#endif
+    } else {
+      r = gs::encode_cpu(ptr<const void>(update), dtype, ptr<float>(residual), n, tau, clip, choice,
+                         ptr<int32_t>(out), capacity);
+    }
+  }
+  return py::make_tuple(r.length, r.count, r.nonfinite_index, r.format);
+}
+
+void decode(uintptr_t dst, int64_t n, uintptr_t msgs, int64_t num_msgs, int64_t row_words, float scale, bool cuda,
+            uintptr_t stream) {
+  py::gil_scoped_release nogil;
+  if (cuda) {
+#ifdef GS_HAVE_CUDA
+    gs::decode_cuda(ptr<float>(dst), n, ptr<const int32_t>(msgs), num_msgs, row_words, scale, ptr<void>(stream));
+#else
+    (void)stream;
+    no_cuda();
+#endif
+  } else {
+    gs::decode_cpu(ptr<float>(dst), n, ptr<const int32_t>(msgs), num_msgs, row_words, scale);
+  }
+}
+
+void average(uintptr_t dst, const std::vector<uintptr_t>& srcs, const std::vector<float>& weights, int64_t n,
+             bool cuda, uintptr_t stream) {
+  if (!weights.empty() && weights.size() != srcs.size())
+    throw std::invalid_argument("weights: need one weight per buffer");
+  std::vector<const float*> p(srcs.size());
+  for (size_t i = 0; i < srcs.size(); ++i) p[i] = ptr<const float>(srcs[i]);
+  const float* w = weights.empty() ? nullptr : weights.data();
+  py::gil_scoped_release nogil;
+  if (cuda) {
+#ifdef GS_HAVE_CUDA
+    gs::average_cuda(ptr<float>(dst), p.data(), (int64_t)p.size(), w, n, ptr<void>(stream));
+#else
+    (void)stream;
+    no_cuda();
+#endif
+  } else {
+    gs::average_cpu(ptr<float>(dst), p.data(), (int64_t)p.size(), w, n);
+  }
+}
+
+py::dict build_info() {
+  py::dict d;
+  d["version"] = GS_VERSION;
+#ifdef GS_HAVE_CUDA
+  d["cuda"] = true;
+  d["cuda_archs"] = std::string(GS_CUDA_ARCHS);
+#else
+  d["cuda"] = false;
+  d["cuda_archs"] = std::string();
+#endif
+  d["openmp"] = gs::have_openmp();
+  d["cpu_threads"] = gs::cpu_threads();
+  d["message_version"] = gs::kMagicVersion & 0xff;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "gradshare native kernels (raw-pointer API; use gradshare.ops)";
+  py::register_exception<gs::MessageError>(m, "MessageError", PyExc_ValueError);
+  m.def("count", &count);
+  m.def("encode", &encode);
+  m.def("decode", &decode);
+  m.def("average", &average);
+  m.def("build_info", &build_info);
+  m.def("cpu_threads", &gs::cpu_threads);
+  m.def("set_cpu_threads", &gs::set_cpu_threads);
+  m.attr("HEADER_WORDS") = gs::kHeaderWords;
+  m.attr("MAGIC_VERSION") = gs::kMagicVersion;
+}

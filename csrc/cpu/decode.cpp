@@ -1,0 +1,101 @@
+// Bounds-checked decoding (CPU): every message is validated in full before any element of dst is
+// touched, so a corrupt or hostile message raises and leaves dst exactly as it was.
+#include <string>
+#include "cpu/parallel.h"
+#include "gradshare/kernels.h"
+
+namespace gs {
+namespace {
+
+[[noreturn]] void fail(int64_t m, const std::string& what) {
+  throw MessageError("message " + std::to_string(m) + ": " + what);
+}
+
+// Index of the first invalid payload word, or -1.
+int64_t first_bad_sparse(const int32_t* p, int64_t count, int64_t n) {
+  int bad = 0;
+  GS_PARALLEL_FOR(count >= kParallelMin)
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t prev = j == 0 ? 0 : (p[j - 1] < 0 ? -(int64_t)p[j - 1] : (int64_t)p[j - 1]);
+    if (!sparse_entry_ok(p[j], prev, n)) {
+#ifdef GS_HAVE_OPENMP
+#pragma omp atomic write
+#endif
+      bad = 1;
+    }
+  }
+  if (!bad) return -1;
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t prev = j == 0 ? 0 : (p[j - 1] < 0 ? -(int64_t)p[j - 1] : (int64_t)p[j - 1]);
+    if (!sparse_entry_ok(p[j], prev, n)) return j;
+  }
+  return -1;
+}
+
+void validate(const int32_t* msg, int64_t m, int64_t row_words, int64_t n) {
+  if (const char* err = check_header(msg, row_words, n)) fail(m, err);
+  const int32_t* p = msg + kHeaderWords;
+  const int64_t count = msg[3];
+  if (msg[1] == kSparse) {
+    const int64_t j = first_bad_sparse(p, count, n);
+    if (j >= 0)
+      fail(m, "sparse entry " + std::to_string(j) + " (" + std::to_string(p[j]) +
+                  ") is out of bounds for n=" + std::to_string(n) + " or not strictly ascending");
+    return;
+  }
+  const int64_t words = bitmap_words(n);
+  int64_t bad_word = -1, total = 0;
+  for (int64_t w = 0; w < words; ++w) {  // small (n/16 words): one thread is fine
+    const uint32_t x = static_cast<uint32_t>(p[w]);
+    if (!bitmap_word_ok(x, w, n)) {
+      bad_word = w;
+      break;
+    }
+    total += popcount16(x);
+  }
+  if (bad_word >= 0)
+    fail(m, "bitmap word " + std::to_string(bad_word) + " has a sign bit without its present bit or a bit past n");
+  if (total != count)
+    fail(m, "bitmap holds " + std::to_string(total) + " entries but the header says " + std::to_string(count));
+}
+
+void apply(float* dst, const int32_t* msg, int64_t n, float scale) {
+  const float v = entry_value(bits_to_float(msg[4]), scale);
+  const int32_t* p = msg + kHeaderWords;
+  if (msg[1] == kSparse) {
+    const int64_t count = msg[3];
+    // Entries are distinct (validated ascending), so threads never touch the same element.
+    GS_PARALLEL_FOR(count >= kParallelMin)
+    for (int64_t j = 0; j < count; ++j) {
+      const int32_t e = p[j];
+      if (e > 0) dst[e - 1] += v;
+      else dst[-(int64_t)e - 1] -= v;
+    }
+    return;
+  }
+  const int64_t words = bitmap_words(n);
+  GS_PARALLEL_FOR(words >= kParallelMin / 16)
+  for (int64_t w = 0; w < words; ++w) {
+    const uint32_t x = static_cast<uint32_t>(p[w]);
+    if (x == 0) continue;
+    float* d = dst + w * 16;
+    for (int b = 0; b < 16; ++b) {
+      if (x & (1u << b)) {
+        if (x & (1u << (b + 16))) d[b] -= v;
+        else d[b] += v;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void decode_cpu(float* dst, int64_t n, const int32_t* msgs, int64_t num_msgs, int64_t row_words, float scale) {
+  if (n < 0 || n > kMaxElements) throw std::invalid_argument("dst: size must be in [0, 2^31-1]");
+  if (num_msgs < 0) throw std::invalid_argument("messages: negative count");
+  if (!is_finite(scale)) throw std::invalid_argument("scale must be finite");
+  for (int64_t m = 0; m < num_msgs; ++m) validate(msgs + m * row_words, m, row_words, n);
+  for (int64_t m = 0; m < num_msgs; ++m) apply(dst, msgs + m * row_words, n, scale);
+}
+
+}  // namespace gs

@@ -1,0 +1,75 @@
+// The native API: plain C++ over raw pointers. No Python and no libtorch here; csrc/bindings.cpp is
+// the only file that knows pybind11. Argument errors throw std::invalid_argument; a malformed message
+// throws gs::MessageError. CPU functions run with OpenMP; CUDA functions launch on `stream`.
+#pragma once
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include "gradshare/element.h"
+#include "gradshare/message.h"
+
+namespace gs {
+
+struct MessageError : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+struct CountResult {
+  int64_t count;            // elements with |residual + update| >= tau
+  int64_t nonfinite_index;  // first i whose residual + update is NaN/Inf, or -1
+};
+
+struct EncodeResult {
+  int64_t length;           // words written to out (header + payload); 0 when nothing was written
+  int64_t count;
+  int64_t nonfinite_index;  // >= 0: nothing was written and the residual is unchanged
+  int32_t format;
+};
+
+// Words an encode may need: enough for either format when the choice is kChooseAuto or kChooseBitmap.
+inline int64_t encode_capacity(int64_t n) { return kHeaderWords + bitmap_words(n); }
+
+// ---- CPU ----
+CountResult count_cpu(const void* update, int32_t dtype, const float* residual, int64_t n, float tau);
+// Two passes: count (and finiteness) per chunk, then write residual and payload at scanned offsets, so
+// the indices come out ascending whatever the thread count. clip <= 0 disables residual clipping.
+EncodeResult encode_cpu(const void* update, int32_t dtype, float* residual, int64_t n, float tau, float clip,
+                        int32_t choice, int32_t* out, int64_t capacity);
+// Validates every message first (nothing is written if any is bad), then adds them in order:
+// dst[i] += sign * (tau * scale). Messages are rows of `row_words` words.
+void decode_cpu(float* dst, int64_t n, const int32_t* msgs, int64_t num_msgs, int64_t row_words, float scale);
+// dst = sum_j weights[j] * srcs[j] (weights == nullptr: the mean). dst may be one of srcs.
+void average_cpu(float* dst, const float* const* srcs, int64_t k, const float* weights, int64_t n);
+
+int cpu_threads();
+void set_cpu_threads(int threads);
+bool have_openmp();
+
+// ---- CUDA (defined only when built with GS_HAVE_CUDA) ----
+#ifdef GS_HAVE_CUDA
+CountResult count_cuda(const void* update, int32_t dtype, const float* residual, int64_t n, float tau,
+                       void* stream);
+EncodeResult encode_cuda(const void* update, int32_t dtype, float* residual, int64_t n, float tau, float clip,
+                         int32_t choice, int32_t* out, int64_t capacity, void* stream);
+void decode_cuda(float* dst, int64_t n, const int32_t* msgs, int64_t num_msgs, int64_t row_words, float scale,
+                 void* stream);
+// srcs and weights are host arrays of device pointers / host floats.
+void average_cuda(float* dst, const float* const* srcs, int64_t k, const float* weights, int64_t n, void* stream);
+int cuda_device_count();
+#endif
+
+// Shared argument checks (throw std::invalid_argument naming the argument).
+inline void check_encode_args(int32_t dtype, int64_t n, float tau, float clip, int32_t choice, int64_t capacity) {
+  if (dtype != kFloat32 && dtype != kFloat16 && dtype != kBFloat16)
+    throw std::invalid_argument("update: dtype must be float32, float16 or bfloat16");
+  if (n < 0 || n > kMaxElements)
+    throw std::invalid_argument("update: " + std::to_string(n) +
+                                " elements; a message can encode at most 2^31-1 (split the buffer)");
+  if (!(tau > 0.0f) || !is_finite(tau)) throw std::invalid_argument("tau must be a positive finite float");
+  if (!is_finite(clip)) throw std::invalid_argument("clip must be finite (<= 0 disables clipping)");
+  if (choice != kChooseAuto && choice != kChooseSparse && choice != kChooseBitmap)
+    throw std::invalid_argument("format must be auto, sparse or bitmap");
+  if (capacity < kHeaderWords) throw std::invalid_argument("out: capacity is smaller than the message header");
+}
+
+}  // namespace gs

@@ -1,0 +1,78 @@
+"""The one home of the native boundary: loads gradshare._C and passes it raw addresses.
+
+Everything here assumes the arguments were already checked by gradshare.ops.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+try:
+    from gradshare import _C
+except ImportError as exc:  # pragma: no cover - exercised only on a broken install
+    _C = None
+    _IMPORT_ERROR = exc
+else:
+    _IMPORT_ERROR = None
+
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+if _C is not None:
+    MessageError = _C.MessageError
+else:  # pragma: no cover
+    class MessageError(ValueError):
+        """A message failed validation (corrupt, hostile, or meant for another buffer)."""
+
+_warned = False
+
+
+def available() -> bool:
+    global _warned
+    if _C is None and not _warned:
+        warnings.warn(f"gradshare: native library not loaded ({_IMPORT_ERROR}); using the slow pure-torch "
+                      "reference ops", RuntimeWarning, stacklevel=3)
+        _warned = True
+    return _C is not None
+
+
+def _stream(t: torch.Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
+def count(update: torch.Tensor, residual: torch.Tensor, tau: float) -> tuple:
+    return _C.count(update.data_ptr(), DTYPE_CODES[update.dtype], residual.data_ptr(), update.numel(), tau,
+                    update.is_cuda, _stream(update))
+
+
+def encode(update, residual, tau, clip, choice, out) -> tuple:
+    """Returns (length, count, nonfinite_index, format)."""
+    return _C.encode(update.data_ptr(), DTYPE_CODES[update.dtype], residual.data_ptr(), update.numel(), tau, clip,
+                     choice, out.data_ptr(), out.numel(), update.is_cuda, _stream(update))
+
+
+def decode(dst: torch.Tensor, rows: torch.Tensor, scale: float) -> None:
+    _C.decode(dst.data_ptr(), dst.numel(), rows.data_ptr(), rows.shape[0], rows.shape[1], scale, dst.is_cuda,
+              _stream(dst))
+
+
+def average(out: torch.Tensor, buffers, weights) -> None:
+    _C.average(out.data_ptr(), [b.data_ptr() for b in buffers], [] if weights is None else list(weights),
+               out.numel(), out.is_cuda, _stream(out))
+
+
+def build_info() -> dict:
+    if _C is None:
+        return {"version": None, "cuda": False, "cuda_archs": "", "openmp": False, "cpu_threads": 1,
+                "native": False, "error": str(_IMPORT_ERROR)}
+    return dict(_C.build_info(), native=True)
+
+
+def set_num_threads(threads: int) -> None:
+    """Threads the CPU kernels use (OpenMP). Results do not depend on it."""
+    if _C is not None:
+        _C.set_cpu_threads(int(threads))
+
+
+def get_num_threads() -> int:
+    return _C.cpu_threads() if _C is not None else 1

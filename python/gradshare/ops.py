@@ -1,0 +1,266 @@
+"""The thin ops API: threshold encode, count, decode and averaging.
+
+Each function checks its arguments (a bad one raises naming it), then runs the native kernel through a
+torch custom op (``torch.ops.gradshare.*``, usable under torch.compile). CPU tensors, CUDA tensors (the
+kernel runs on the current stream) and numpy arrays (CPU) are accepted. Without the native library the
+pure-torch reference in gradshare.reference is used, with a warning.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from gradshare import _native, reference
+from gradshare import message as msgfmt
+from gradshare.message import HEADER_WORDS, NONFINITE
+
+MessageError = _native.MessageError
+ArrayLike = Union[torch.Tensor, np.ndarray]
+
+
+class NonFiniteError(FloatingPointError):
+    """residual + update held NaN or Inf; nothing was written and the residual is unchanged."""
+
+    def __init__(self, index: int, what: str = "update"):
+        super().__init__(f"{what}: residual + update is not finite at element {index} (NaN or Inf); "
+                         "nothing was encoded and the residual is unchanged")
+        self.index = index
+
+
+# ---------------------------------------------------------------------------------------------------
+# Argument checks
+# ---------------------------------------------------------------------------------------------------
+
+def _as_tensor(x, name: str) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, np.ndarray):
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{name}: numpy array must be C-contiguous")
+        return torch.from_numpy(x)
+    raise TypeError(f"{name}: expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+
+
+def _check_flat(t: torch.Tensor, name: str, dtypes) -> None:
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name}: dtype {str(t.dtype).replace('torch.', '')} not supported (expected {allowed})")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous (call .contiguous() first)")
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: device {t.device} not supported (cpu or cuda)")
+    if t.numel() > msgfmt.MAX_ELEMENTS:
+        raise ValueError(f"{name}: {t.numel()} elements; a message encodes at most 2**31-1 (split the buffer)")
+
+
+def _check_same_device(a: torch.Tensor, b: torch.Tensor, na: str, nb: str) -> None:
+    if a.device != b.device:
+        raise ValueError(f"{nb}: on {b.device} but {na} is on {a.device}")
+
+
+def _check_tau(tau) -> float:
+    try:
+        t = float(tau)
+    except (TypeError, ValueError):
+        raise TypeError(f"tau: expected a float, got {type(tau).__name__}") from None
+    if not (t > 0 and math.isfinite(t)) or not (np.float32(t) > 0 and np.isfinite(np.float32(t))):
+        raise ValueError(f"tau: must be a positive finite float32, got {tau}")
+    return float(np.float32(t))
+
+
+def _check_update_residual(update, residual):
+    update, residual = _as_tensor(update, "update"), _as_tensor(residual, "residual")
+    _check_flat(update, "update", (torch.float32, torch.float16, torch.bfloat16))
+    _check_flat(residual, "residual", (torch.float32,))
+    _check_same_device(update, residual, "update", "residual")
+    if residual.numel() != update.numel():
+        raise ValueError(f"residual: {residual.numel()} elements but update has {update.numel()}")
+    return update, residual
+
+
+# ---------------------------------------------------------------------------------------------------
+# Custom ops (what torch.compile sees). Inputs here are already checked.
+# ---------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("gradshare::encode", mutates_args=("residual",))
+def _encode_op(update: torch.Tensor, residual: torch.Tensor, tau: float, clip: float, choice: int) -> torch.Tensor:
+    n = update.numel()
+    if not _native.available():
+        fmt = {v: k for k, v in msgfmt.FORMAT_CHOICES.items()}[choice]
+        c = None if clip <= 0 else clip / tau
+        return reference.encode(update.view(-1), residual.view(-1), tau, c, fmt)
+    cap = msgfmt.HEADER_WORDS + (n if choice == msgfmt.SPARSE else msgfmt.bitmap_words(n))
+    out = torch.empty(cap, dtype=torch.int32, device=update.device)
+    length, count, bad, fmt = _native.encode(update, residual, tau, clip, choice, out)
+    if bad >= 0:
+        return msgfmt.nonfinite_marker(n, tau, bad, device=update.device)
+    # Keep a short message in its own small allocation rather than a view of the worst-case buffer.
+    return out[:length].clone() if 4 * length < cap else out[:length]
+
+
+@_encode_op.register_fake
+def _(update, residual, tau, clip, choice):
+    ctx = torch.library.get_ctx()
+    return update.new_empty(ctx.new_dynamic_size(), dtype=torch.int32)
+
+
+@torch.library.custom_op("gradshare::count", mutates_args=())
+def _count_op(update: torch.Tensor, residual: torch.Tensor, tau: float) -> torch.Tensor:
+    if _native.available():
+        c, bad = _native.count(update, residual, tau)
+    else:
+        c, bad = reference.count(update.view(-1), residual.view(-1), tau)
+    return torch.tensor([c, bad], dtype=torch.int64)
+
+
+@_count_op.register_fake
+def _(update, residual, tau):
+    return torch.empty(2, dtype=torch.int64)
+
+
+@torch.library.custom_op("gradshare::decode", mutates_args=("dst",))
+def _decode_op(dst: torch.Tensor, rows: torch.Tensor, scale: float) -> None:
+    if _native.available():
+        _native.decode(dst, rows if rows.device == dst.device else rows.to(dst.device), scale)
+    else:
+        reference.decode(dst.view(-1), rows, scale)
+
+
+@_decode_op.register_fake
+def _(dst, rows, scale):
+    return None
+
+
+@torch.library.custom_op("gradshare::average", mutates_args=("out",))
+def _average_op(out: torch.Tensor, buffers: List[torch.Tensor], weights: Optional[List[float]]) -> None:
+    if _native.available():
+        _native.average(out, buffers, weights)
+    else:
+        out.copy_(reference.average([b.view(-1) for b in buffers], weights).view_as(out))
+
+
+@_average_op.register_fake
+def _(out, buffers, weights):
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------------
+
+def encode(update: ArrayLike, residual: ArrayLike, tau: float, *, clip: Optional[float] = None,
+           format: str = "auto", on_nonfinite: str = "raise") -> ArrayLike:
+    """Threshold-encode ``residual + update`` and keep what was not sent in ``residual`` (in place).
+
+    Per element u = residual + update: u >= tau sends +tau and keeps u - tau; u <= -tau sends -tau and
+    keeps u + tau; otherwise keeps u. ``clip=c`` then limits the kept residual to [-c*tau, c*tau].
+
+    Args:
+        update: flat float32 / float16 / bfloat16 buffer (a gradient or an optimizer update).
+        residual: float32 buffer of the same size, updated in place.
+        tau: the threshold (> 0, finite).
+        clip: optional residual clipping factor c (> 0).
+        format: "auto" (sparse while no larger than the bitmap, else bitmap), "sparse" or "bitmap".
+        on_nonfinite: "raise" (NonFiniteError) or "flag" (return a non-finite marker message that
+            decode refuses; lets every rank of an exchange learn of it). Either way nothing is written.
+
+    Returns:
+        One int32 message (see gradshare.message), indices ascending whatever the thread count.
+    """
+    as_numpy = isinstance(update, np.ndarray)
+    update, residual = _check_update_residual(update, residual)
+    tau = _check_tau(tau)
+    if clip is not None and not (float(clip) > 0 and math.isfinite(float(clip))):
+        raise ValueError(f"clip: must be a positive finite factor or None, got {clip}")
+    if format not in msgfmt.FORMAT_CHOICES:
+        raise ValueError(f"format: expected one of {sorted(msgfmt.FORMAT_CHOICES)}, got {format!r}")
+    if on_nonfinite not in ("raise", "flag"):
+        raise ValueError(f"on_nonfinite: expected 'raise' or 'flag', got {on_nonfinite!r}")
+    out = torch.ops.gradshare.encode(update.view(-1), residual.view(-1), tau, reference.clip_value(tau, clip),
+                                     msgfmt.FORMAT_CHOICES[format])
+    if on_nonfinite == "raise" and int(out[1]) == NONFINITE:
+        raise NonFiniteError(int(out[3]))
+    return out.cpu().numpy() if as_numpy else out
+
+
+def count(update: ArrayLike, residual: ArrayLike, tau: float) -> int:
+    """How many elements of ``residual + update`` reach ``tau`` (a read-only pass; for density).
+
+    Raises NonFiniteError when residual + update holds NaN or Inf.
+    """
+    update, residual = _check_update_residual(update, residual)
+    c, bad = torch.ops.gradshare.count(update.view(-1), residual.view(-1), _check_tau(tau)).tolist()
+    if bad >= 0:
+        raise NonFiniteError(bad)
+    return c
+
+
+def _message_rows(messages, device) -> torch.Tensor:
+    """One message, a list of messages, or a 2-D [k, row] tensor of padded rows -> int32 rows."""
+    if isinstance(messages, (torch.Tensor, np.ndarray)):
+        m = _as_tensor(messages, "messages")
+        if m.dtype != torch.int32:
+            raise TypeError(f"messages: dtype must be int32, got {str(m.dtype).replace('torch.', '')}")
+        if m.dim() not in (1, 2):
+            raise ValueError(f"messages: expected a 1-D message or 2-D rows, got {m.dim()} dims")
+        return (m.view(1, -1) if m.dim() == 1 else m).contiguous()
+    rows = [_as_tensor(m, "messages") for m in messages]
+    for i, r in enumerate(rows):
+        if r.dtype != torch.int32 or r.dim() != 1:
+            raise TypeError(f"messages[{i}]: must be a 1-D int32 message")
+    width = max((r.numel() for r in rows), default=HEADER_WORDS)
+    out = torch.zeros(len(rows), width, dtype=torch.int32, device=device)
+    for i, r in enumerate(rows):
+        out[i, :r.numel()] = r
+    return out
+
+
+def decode(dst: ArrayLike, messages, *, scale: float = 1.0) -> None:
+    """Add every message into ``dst`` in order: dst[i] += sign * tau * scale.
+
+    ``messages`` is one message, a sequence of them, or a 2-D int32 tensor of zero-padded rows (what an
+    all-gather returns). Every message is validated before anything is written: a malformed one raises
+    MessageError naming it and its fault, and leaves ``dst`` unchanged.
+    """
+    dst = _as_tensor(dst, "dst")
+    _check_flat(dst, "dst", (torch.float32,))
+    s = float(scale)
+    if not math.isfinite(s):
+        raise ValueError(f"scale: must be finite, got {scale}")
+    rows = _message_rows(messages, dst.device)
+    torch.ops.gradshare.decode(dst.view(-1), rows, s)
+
+
+def average(buffers: Sequence[ArrayLike], *, weights: Optional[Sequence[float]] = None,
+            out: Optional[ArrayLike] = None) -> ArrayLike:
+    """Mean (or ``sum_j weights[j] * buffers[j]``) of k float32 buffers in one pass over memory.
+
+    ``out`` may be one of ``buffers`` (in place). Returns ``out`` (a new buffer when not given).
+    """
+    if len(buffers) == 0:
+        raise ValueError("buffers: need at least one buffer to average")
+    as_numpy = isinstance(buffers[0], np.ndarray)
+    ts = [_as_tensor(b, f"buffers[{i}]") for i, b in enumerate(buffers)]
+    for i, t in enumerate(ts):
+        _check_flat(t, f"buffers[{i}]", (torch.float32,))
+        _check_same_device(ts[0], t, "buffers[0]", f"buffers[{i}]")
+        if t.numel() != ts[0].numel():
+            raise ValueError(f"buffers[{i}]: {t.numel()} elements but buffers[0] has {ts[0].numel()}")
+    if weights is not None:
+        weights = [float(w) for w in weights]
+        if len(weights) != len(ts):
+            raise ValueError(f"weights: {len(weights)} weights for {len(ts)} buffers")
+        if not all(math.isfinite(w) for w in weights):
+            raise ValueError("weights: must be finite")
+    o = torch.empty_like(ts[0]) if out is None else _as_tensor(out, "out")
+    _check_flat(o, "out", (torch.float32,))
+    _check_same_device(ts[0], o, "buffers[0]", "out")
+    if o.numel() != ts[0].numel():
+        raise ValueError(f"out: {o.numel()} elements but the buffers have {ts[0].numel()}")
+    torch.ops.gradshare.average(o.view(-1), [t.view(-1) for t in ts], weights)
+    if out is not None:
+        return out
+    return o.numpy() if as_numpy else o

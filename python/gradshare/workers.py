@@ -1,0 +1,117 @@
+"""Run a function on N local worker processes joined in a torch.distributed process group.
+
+The one place gradshare starts local processes (ParallelWrapper, `gradshare train`, the tests). Every
+wait is bounded: a worker that raises or dies ends the whole run with its traceback, never a hang.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class WorkerError(RuntimeError):
+    """A worker raised or died; the message carries its rank and traceback."""
+
+    def __init__(self, rank: int, detail: str):
+        super().__init__(f"worker {rank} failed:\n{detail}")
+        self.rank = rank
+        self.detail = detail
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, backend: str, threads: int, collective_timeout: float,
+           fn: Callable, args: Sequence, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=collective_timeout))
+        out = fn(*args)
+        results.put((rank, True, out))
+    except BaseException:  # report everything, KeyboardInterrupt included
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_local(fn: Callable, world_size: int, args: Sequence = (), *, backend: str = "gloo",
+              threads: Optional[int] = None, timeout: float = 300.0, collective_timeout: float = 60.0) -> List[Any]:
+    """Runs ``fn(*args)`` on ``world_size`` spawned processes; returns each rank's result, by rank.
+
+    ``fn`` must be importable (defined at module level). Inside it, torch.distributed is initialised
+    (RANK/WORLD_SIZE/LOCAL_RANK are set). ``threads``: torch threads per worker (default: the cores split
+    between workers). Raises WorkerError with the first failing worker's traceback, TimeoutError when the
+    whole run exceeds ``timeout`` seconds; collectives give up after ``collective_timeout``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size: must be >= 1, got {world_size}")
+    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, daemon=True,
+                         args=(r, world_size, port, backend, threads, collective_timeout, fn, args, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: List[Any] = [None] * world_size
+    done = set()
+    deadline = time.monotonic() + timeout
+    try:
+        while len(done) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=0.2)
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if r not in done and not p.is_alive() and p.exitcode not in (0, None):
+                        # Give a dying worker's queued traceback a moment to arrive before blaming a signal.
+                        try:
+                            rank, ok, value = results.get(timeout=1.0)
+                            break
+                        except queue.Empty:
+                            raise WorkerError(r, f"process exited with code {p.exitcode} without reporting") from None
+                else:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"local run did not finish within {timeout:.0f} s")
+                    continue
+            if not ok:
+                # A peer's "connection reset" often follows another worker's death: name the dead one.
+                time.sleep(0.5)
+                for r, p in enumerate(procs):
+                    if r != rank and not p.is_alive() and p.exitcode not in (0, None):
+                        raise WorkerError(r, f"process exited with code {p.exitcode} without reporting "
+                                             f"(worker {rank} then failed:\n{value})")
+                raise WorkerError(rank, value)
+            out[rank] = value
+            done.add(rank)
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(done) == world_size else 0.5)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        results.close()
+    return out
