@@ -47,18 +47,15 @@ GS_HD bool is_finite(float x) {
 // Returns +1 / -1 when u reaches +tau / -tau (and subtracts it), 0 otherwise; *kept is the new residual.
 // `clip` > 0 limits the kept residual to [-clip, clip] (clip = c * tau, computed once by the caller).
 GS_HD int threshold_step(float u, float tau, float clip, float* kept) {
-  int s = 0;
-  float r = u;
-  if (u >= tau) {
-    s = 1;
-    r = u - tau;
-  } else if (u <= -tau) {
-    s = -1;
-    r = u + tau;
-  }
-  if (clip > 0.0f) r = r > clip ? clip : (r < -clip ? -clip : r);
+  // Written as selects, not branches, so compilers vectorise it (and GPUs do not diverge).
+  const bool pos = u >= tau, neg = u <= -tau;
+  const float up = u - tau, un = u + tau;
+  float r = pos ? up : (neg ? un : u);
+  const float hi = r > clip ? clip : r;
+  const float lo = hi < -clip ? -clip : hi;
+  r = clip > 0.0f ? lo : r;
   *kept = r;
-  return s;
+  return static_cast<int>(pos) - static_cast<int>(neg);
 }
 
 GS_HD bool reaches(float u, float tau) { return u >= tau || u <= -tau; }

@@ -1,0 +1,5 @@
+import sys
+
+from gradshare.cli import main
+
+sys.exit(main())

@@ -1,0 +1,43 @@
+"""The `gradshare` command (also `python -m gradshare`): train, plan, info."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+# subcommand -> module with add_arguments(parser) and run(args) -> exit code
+_SUBCOMMANDS = {
+    "train": ("gradshare.train", "train a model with gradient sharing or parameter averaging"),
+    "plan": ("gradshare.plan", "advise which scheme to use for a model, workers and link"),
+}
+
+
+def _info(args) -> int:
+    from gradshare import build_info
+
+    print(json.dumps(build_info(), indent=2))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="gradshare", description="Communication-efficient data-parallel training")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="what the native library was built with").set_defaults(func=_info)
+    for name, (module, help_text) in _SUBCOMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue
+        p = sub.add_parser(name, help=help_text, description=mod.__doc__,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        mod.add_arguments(p)
+        p.set_defaults(func=mod.run)
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
