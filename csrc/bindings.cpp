@@ -17,7 +17,7 @@ T* ptr(uintptr_t p) {
   return reinterpret_cast<T*>(p);
 }
 
-[[noreturn]] void no_cuda() { throw std::runtime_error("gradshare was built without CUDA kernels"); }
+[[noreturn, maybe_unused]] void no_cuda() { throw std::runtime_error("gradshare was built without CUDA kernels"); }
 
 py::tuple count(uintptr_t update, int32_t dtype, uintptr_t residual, int64_t n, float tau, bool cuda,
                 uintptr_t stream) {

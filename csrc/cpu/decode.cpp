@@ -32,8 +32,8 @@ int64_t first_bad_sparse(const int32_t* p, int64_t count, int64_t n) {
   return -1;
 }
 
-void validate(const int32_t* msg, int64_t m, int64_t row_words, int64_t n) {
-  if (const char* err = check_header(msg, row_words, n)) fail(m, err);
+void validate(const int32_t* msg, int64_t m, int64_t row_words, int64_t n, float scale) {
+  if (const char* err = check_header(msg, row_words, n, scale)) fail(m, err);
   const int32_t* p = msg + kHeaderWords;
   const int64_t count = msg[3];
   if (msg[1] == kSparse) {
@@ -94,7 +94,7 @@ void decode_cpu(float* dst, int64_t n, const int32_t* msgs, int64_t num_msgs, in
   if (n < 0 || n > kMaxElements) throw std::invalid_argument("dst: size must be in [0, 2^31-1]");
   if (num_msgs < 0) throw std::invalid_argument("messages: negative count");
   if (!is_finite(scale)) throw std::invalid_argument("scale must be finite");
-  for (int64_t m = 0; m < num_msgs; ++m) validate(msgs + m * row_words, m, row_words, n);
+  for (int64_t m = 0; m < num_msgs; ++m) validate(msgs + m * row_words, m, row_words, n, scale);
   for (int64_t m = 0; m < num_msgs; ++m) apply(dst, msgs + m * row_words, n, scale);
 }
 

@@ -83,8 +83,8 @@ GS_HD void write_header(int32_t* out, int32_t format, int64_t n, int64_t count, 
 namespace gs {
 
 // Header checks shared by every decoder. Returns nullptr when the header is sound for a destination
-// of n elements in a row of row_words words, else what is wrong.
-inline const char* check_header(const int32_t* h, int64_t row_words, int64_t n) {
+// of n elements in a row of row_words words, decoded with `scale`, else what is wrong.
+inline const char* check_header(const int32_t* h, int64_t row_words, int64_t n, float scale) {
   if (row_words < kHeaderWords) return "message is shorter than its 5-word header";
   if (h[0] != kMagicVersion) return "bad magic/version word (not a gradshare v1 message)";
   if (h[1] == kNonFinite) return "message is a non-finite marker: its sender saw NaN/Inf and sent no update";
@@ -92,7 +92,10 @@ inline const char* check_header(const int32_t* h, int64_t row_words, int64_t n) 
   if (h[2] < 0 || (int64_t)h[2] != n) return "message length n does not match the destination buffer";
   if (h[3] < 0 || (int64_t)h[3] > n) return "message count is negative or larger than n";
   const float tau = bits_to_float(h[4]);
-  if (!(tau > 0.0f) || !(tau <= 3.4028234663852886e38f)) return "message tau is not a positive finite float";
+  constexpr float kMax = 3.4028234663852886e38f;
+  if (!(tau > 0.0f) || !(tau <= kMax)) return "message tau is not a positive finite float";
+  const float v = tau * scale;  // what one entry adds (entry_value): must not overflow into dst
+  if (!(v <= kMax && v >= -kMax)) return "message tau * scale overflows float32";
   if (kHeaderWords + payload_words(h[1], n, h[3]) > row_words) return "message payload runs past the end of its row";
   return nullptr;
 }

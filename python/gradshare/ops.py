@@ -87,14 +87,15 @@ def _check_update_residual(update, residual):
 
 @torch.library.custom_op("gradshare::encode", mutates_args=("residual",))
 def _encode_op(update: torch.Tensor, residual: torch.Tensor, tau: float, clip: float, choice: int) -> torch.Tensor:
+    # clip: the clipping factor c (<= 0: none); the kernels take the bound c * tau rounded to float32.
     n = update.numel()
     if not _native.available():
         fmt = {v: k for k, v in msgfmt.FORMAT_CHOICES.items()}[choice]
-        c = None if clip <= 0 else clip / tau
-        return reference.encode(update.view(-1), residual.view(-1), tau, c, fmt)
+        return reference.encode(update.view(-1), residual.view(-1), tau, clip if clip > 0 else None, fmt)
     cap = msgfmt.HEADER_WORDS + (n if choice == msgfmt.SPARSE else msgfmt.bitmap_words(n))
     out = torch.empty(cap, dtype=torch.int32, device=update.device)
-    length, count, bad, fmt = _native.encode(update, residual, tau, clip, choice, out)
+    bound = reference.clip_value(tau, clip if clip > 0 else None)
+    length, count, bad, fmt = _native.encode(update, residual, tau, bound, choice, out)
     if bad >= 0:
         return msgfmt.nonfinite_marker(n, tau, bad, device=update.device)
     # Keep a short message in its own small allocation rather than a view of the worst-case buffer.
@@ -179,7 +180,7 @@ def encode(update: ArrayLike, residual: ArrayLike, tau: float, *, clip: Optional
         raise ValueError(f"format: expected one of {sorted(msgfmt.FORMAT_CHOICES)}, got {format!r}")
     if on_nonfinite not in ("raise", "flag"):
         raise ValueError(f"on_nonfinite: expected 'raise' or 'flag', got {on_nonfinite!r}")
-    out = torch.ops.gradshare.encode(update.view(-1), residual.view(-1), tau, reference.clip_value(tau, clip),
+    out = torch.ops.gradshare.encode(update.view(-1), residual.view(-1), tau, 0.0 if clip is None else float(clip),
                                      msgfmt.FORMAT_CHOICES[format])
     if on_nonfinite == "raise" and int(out[1]) == NONFINITE:
         raise NonFiniteError(int(out[3]))

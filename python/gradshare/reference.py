@@ -74,7 +74,7 @@ def _rows(messages) -> list:
     return list(messages)
 
 
-def validate(row: torch.Tensor, n: int) -> msgfmt.MessageInfo:
+def validate(row: torch.Tensor, n: int, scale: float = 1.0) -> msgfmt.MessageInfo:
     """Raises ValueError when the row is not a sound message for n elements."""
     row = row.cpu().long()
     if row.numel() < HEADER_WORDS:
@@ -90,6 +90,8 @@ def validate(row: torch.Tensor, n: int) -> msgfmt.MessageInfo:
         raise ValueError("message count is negative or larger than n")
     if not (info.tau > 0 and np.isfinite(info.tau)):
         raise ValueError("message tau is not a positive finite float")
+    if not np.isfinite(np.float32(info.tau) * np.float32(scale)):
+        raise ValueError("message tau * scale overflows float32")
     if info.words > row.numel():
         raise ValueError("message payload runs past the end of its row")
     payload = row[HEADER_WORDS:info.words]
@@ -115,7 +117,7 @@ def decode(dst: torch.Tensor, messages, scale: float = 1.0) -> None:
     """dst[i] += sign * (tau * scale) for every entry of every message, messages in order."""
     n = dst.numel()
     rows = _rows(messages)
-    infos = [validate(r, n) for r in rows]  # all first: a bad message changes nothing
+    infos = [validate(r, n, scale) for r in rows]  # all first: a bad message changes nothing
     for row, info in zip(rows, infos):
         v = float(np.float32(info.tau) * np.float32(scale))
         payload = row[HEADER_WORDS:info.words].long()

@@ -1,0 +1,316 @@
+"""End-to-end comparison of data-parallel exchanges on real (shaped) links: accuracy against wall time and bytes.
+
+Runs every contender (bench/e2e_worker.py: DDP allreduce, DDP fp16, DDP PowerSGD, torch periodic model
+averaging, gradshare hook / SharedOptimizer / parameter averaging) on every workload (the MNIST CNN and a
+3.7M-parameter MLP) under every link (tc-shaped veth between network namespaces, bench/netns.py), with the
+same seed, data order, batch size and epochs. Two workers, one core each, torch threads 1. A gradshare
+contender whose module is missing is skipped with a line saying so.
+
+Reported per contender: time to the target test accuracy (training time only), final accuracy, bytes per
+step and in total (kernel tx counter of the worker's interface during training, the tc qdisc byte counter
+over the whole launch, the contender's own accounting where it has one, and the cost model's prediction),
+step time split into compute / encode / communicate. Outputs: results.json, results.md, accuracy_vs_time.png,
+bytes_per_step.png in --out.
+
+Needs root (namespaces). Examples:
+    timeout 900 python bench/e2e.py --quick --out /tmp/e2e-quick
+    timeout 3000 python bench/e2e.py --workloads mnist_cnn --links 100mbit,none --train-subset 12000 \\
+        --test-subset 2000 --epochs 1 --out bench/results/mnist
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from typing import List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import e2e_worker  # noqa: E402
+import netns  # noqa: E402
+from gradshare import costmodel as cm  # noqa: E402
+
+QUICK = dict(workloads="mnist_cnn", links="100mbit,none", train_subset=2000, test_subset=1000, epochs=1,
+             eval_every=10, target=0.85)
+
+
+# ------------------------------------------------------------------------------------------------ model
+def predicted_bytes_per_step(contender: str, r: dict) -> Optional[float]:
+    """The cost model's bytes per step per worker for what the run did (steps, warm-up, period)."""
+    n, p, steps = r["world_size"], r["params"], max(1, r["steps"])
+    dense = cm.dense_allreduce_bytes(n, p)
+    if contender == "ddp_allreduce":
+        return dense
+    if contender == "ddp_fp16":
+        return cm.fp16_allreduce_bytes(n, p)
+    if contender == "ddp_powersgd":
+        start = min(steps, r["info"]["start_powerSGD_iter"])
+        psgd = cm.powersgd_bytes(n, p, r["info"]["matrix_approximation_rank"], r["shapes"])
+        return (start * dense + (steps - start) * psgd) / steps
+    if contender == "torch_averaging":
+        return math.ceil(steps / r["info"]["period"]) * dense / steps
+    acct = r.get("library_accounting") or {}
+    if "bytes_sent" in acct:          # gradshare contenders: their own per-exchange accounting
+        return acct["bytes_sent"] / steps
+    if contender == "gradshare_averaging":
+        return math.ceil(steps / r["info"]["period"]) * 2 * dense / steps   # params + momentum buffers
+    return None
+
+
+def merge(contender: str, workload: str, link: str, ranks: List[dict], before, after) -> dict:
+    r0 = ranks[0]
+    row = {
+        "contender": contender, "workload": workload, "link": link, "status": "ok",
+        "description": e2e_worker.CONTENDERS[contender], "params": r0["params"], "workers": r0["world_size"],
+        "steps": r0["steps"], "batch_size": r0["batch_size"], "stopped_by_time_budget": r0["stopped_by_time_budget"],
+        "target": r0["target"], "time_to_target": r0["time_to_target"], "final_accuracy": r0["final_accuracy"],
+        "train_time": max(r["train_time"] for r in ranks),
+        "step_time": sum(r["step_time"] for r in ranks) / len(ranks),
+        "compute": sum(r["compute"] for r in ranks) / len(ranks),
+        "encode": sum(r["encode"] for r in ranks) / len(ranks),
+        "communicate": sum(r["communicate"] for r in ranks) / len(ranks),
+        "tx_bytes_per_step": sum(r["tx_bytes_per_step"] for r in ranks) / len(ranks),
+        "tx_bytes_total": sum(r["tx_bytes_train"] for r in ranks) / len(ranks),
+        "model_bytes_per_step": predicted_bytes_per_step(contender, r0),
+        "library_accounting": r0.get("library_accounting"), "info": r0["info"], "history": r0["history"],
+    }
+    if before and after:
+        tx = [a["tx_bytes"] - b["tx_bytes"] for a, b in zip(after, before)]
+        row["launch_tx_bytes"] = sum(tx) / len(tx)
+        if "tc_bytes" in after[0]:
+            tc = [a["tc_bytes"] - b["tc_bytes"] for a, b in zip(after, before)]
+            row["tc_bytes_total"] = sum(tc) / len(tc)
+            row["tc_bytes_per_step"] = row["tc_bytes_total"] / max(1, row["steps"])
+    return row
+
+
+# ------------------------------------------------------------------------------------------------ running
+def worker_args(a, contender: str, workload: str, out: str) -> List[str]:
+    return ["--contender", contender, "--workload", workload, "--data-dir", a.data_dir,
+            "--train-subset", str(a.train_subset), "--test-subset", str(a.test_subset), "--epochs", str(a.epochs),
+            "--batch-size", str(a.batch_size), "--lr", str(a.lr), "--momentum", str(a.momentum), "--seed", str(a.seed),
+            "--eval-every", str(a.eval_every), "--target", str(a.target),
+            "--max-train-seconds", str(a.max_train_seconds), "--period", str(a.period),
+            "--powersgd-rank", str(a.powersgd_rank), "--initial-tau", str(a.initial_tau), "--out", out]
+
+
+def run_one(net, a, contender, workload, link, rundir) -> dict:
+    out = os.path.join(rundir, f"{workload}-{link}-{contender}-rank{{rank}}.json")
+    for r in range(a.workers):
+        if os.path.exists(out.format(rank=r)):
+            os.remove(out.format(rank=r))
+    script = os.path.join(HERE, "e2e_worker.py")
+    t0 = time.monotonic()
+    if net is not None:
+        before = net.counters()
+        res = net.torchrun(script, worker_args(a, contender, workload, out), timeout=a.timeout)
+        after = net.counters()
+    else:
+        before = after = None
+        res = run_loopback(a, script, worker_args(a, contender, workload, out))
+    wall = time.monotonic() - t0
+    if not all(r.ok for r in res):
+        tail = "\n".join(f"--- rank {r.rank} rc={r.returncode}\n{r.stderr[-2500:]}" for r in res)
+        print(f"  FAILED {workload}/{link}/{contender} after {wall:.0f} s\n{tail}", flush=True)
+        return {"contender": contender, "workload": workload, "link": link, "status": "failed",
+                "reason": tail[-4000:]}
+    ranks = [json.load(open(out.format(rank=r))) for r in range(a.workers)]
+    row = merge(contender, workload, link, ranks, before, after)
+    row["launch_wall"] = wall
+    print(f"  {contender:<20} acc {row['final_accuracy']:.4f}  target@{_fmt(row['time_to_target'])} s  "
+          f"step {row['step_time'] * 1e3:.1f} ms  tx/step {row['tx_bytes_per_step']:,.0f} B  "
+          f"model {_fmt(row['model_bytes_per_step'], ',.0f')} B  tc/step {_fmt(row.get('tc_bytes_per_step'), ',.0f')} B"
+          f"  ({wall:.0f} s)", flush=True)
+    return row
+
+
+def run_loopback(a, script, args) -> List[netns.RunResult]:
+    """Without namespaces (no root): torchrun --standalone on loopback; bytes then are NOT comparable."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.workers}",
+            script, *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", GRADSHARE_NETNS_IFNAME="lo")
+    p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    t0 = time.monotonic()
+    try:
+        out, err = p.communicate(timeout=a.timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        netns._kill_group(p)
+        out, err = netns._drain(p)
+        rc = None
+    return [netns.RunResult(0, rc, time.monotonic() - t0, out, err)]
+
+
+def run_all(a) -> List[dict]:
+    rows: List[dict] = []
+    os.makedirs(a.out, exist_ok=True)
+    rundir = os.path.join(a.out, "ranks")
+    os.makedirs(rundir, exist_ok=True)
+    contenders = [c.strip() for c in a.contenders.split(",") if c.strip()]
+    runnable = []
+    for c in contenders:
+        reason = e2e_worker.missing_reason(c)
+        if reason:
+            print(f"SKIP {c}: {reason}", flush=True)
+            for w in a.workloads.split(","):
+                for link in a.links.split(","):
+                    rows.append({"contender": c, "workload": w, "link": link, "status": "skipped", "reason": reason})
+        else:
+            runnable.append(c)
+    for link in [l.strip() for l in a.links.split(",") if l.strip()]:
+        print(f"== link {link}", flush=True)
+        if a.no_netns:
+            for w in a.workloads.split(","):
+                for c in runnable:
+                    rows.append(run_one(None, a, c, w, link, rundir))
+            continue
+        with netns.NetnsCluster(a.workers, rate=link) as net:
+            for w in a.workloads.split(","):
+                print(f"-- workload {w}", flush=True)
+                for c in runnable:
+                    rows.append(run_one(net, a, c, w, link, rundir))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ report
+def _fmt(x, spec=".1f"):
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(rows: List[dict], a) -> str:
+    lines = [f"Command: `{a.command}`", "",
+             f"{a.workers} workers (one core each, torch threads 1), batch {a.batch_size} per worker, "
+             f"SGD lr {a.lr} momentum {a.momentum}, seed {a.seed}, {a.epochs} epoch(s), "
+             f"train subset {a.train_subset or 60000}, test subset {a.test_subset or 10000}, target {a.target}.", ""]
+    for w in dict.fromkeys(r["workload"] for r in rows):
+        for link in dict.fromkeys(r["link"] for r in rows if r["workload"] == w):
+            sel = [r for r in rows if r["workload"] == w and r["link"] == link]
+            params = next((r["params"] for r in sel if r.get("params")), None)
+            lines += [f"### {w} ({_fmt(params, ',')} parameters), link {link}", "",
+                      "| contender | time to target s | final acc | steps | step ms | compute / encode / comm ms "
+                      "| tx B/step | tc B/step | model B/step | total MB/worker |",
+                      "|---|---|---|---|---|---|---|---|---|---|"]
+            for r in sel:
+                if r["status"] != "ok":
+                    lines.append(f"| {r['contender']} | {r['status']}: {r.get('reason', '')[:80]} |||||||||")
+                    continue
+                lines.append(
+                    f"| {r['contender']} | {_fmt(r['time_to_target'])} | {r['final_accuracy']:.4f} | {r['steps']} "
+                    f"| {r['step_time'] * 1e3:.1f} | {r['compute'] * 1e3:.1f} / {r['encode'] * 1e3:.1f} / "
+                    f"{r['communicate'] * 1e3:.1f} | {r['tx_bytes_per_step']:,.0f} "
+                    f"| {_fmt(r.get('tc_bytes_per_step'), ',.0f')} | {_fmt(r['model_bytes_per_step'], ',.0f')} "
+                    f"| {r['tx_bytes_total'] / 1e6:.2f} |")
+            lines.append("")
+    lines += ["tx B/step: kernel tx counter of the worker's interface during training steps only (TCP/IP headers "
+              "included). tc B/step: the qdisc's byte counter over the whole launch (rendezvous, DDP's initial "
+              "broadcast, evaluation barriers included) divided by the steps. model B/step: gradshare.costmodel "
+              "payload bytes (gradshare contenders: their own accounting). encode: time inside the comm hook "
+              "call; communicate: step - compute - encode.", ""]
+    return "\n".join(lines)
+
+
+def plots(rows: List[dict], outdir: str) -> List[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plots (pip install matplotlib)", flush=True)
+        return []
+    ok = [r for r in rows if r["status"] == "ok"]
+    groups = list(dict.fromkeys((r["workload"], r["link"]) for r in ok))
+    if not groups:
+        return []
+    files = []
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.2), squeeze=False)
+    for ax, (w, link) in zip(axes[0], groups):
+        for r in ok:
+            if (r["workload"], r["link"]) == (w, link):
+                h = r["history"]
+                ax.plot([x["time"] for x in h], [x["accuracy"] for x in h], marker=".", label=r["contender"])
+        ax.set_title(f"{w}, {link}")
+        ax.set_xlabel("training wall time (s)")
+        ax.set_ylabel("test accuracy")
+        ax.set_ylim(max(0.0, min((x["accuracy"] for r in ok for x in r["history"][1:]), default=0) - 0.05), 1.0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    files.append(os.path.join(outdir, "accuracy_vs_time.png"))
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.2), squeeze=False)
+    for ax, (w, link) in zip(axes[0], groups):
+        sel = [r for r in ok if (r["workload"], r["link"]) == (w, link)]
+        xs = range(len(sel))
+        ax.bar([x - 0.2 for x in xs], [max(1, r["tx_bytes_per_step"]) for r in sel], 0.4, label="measured (tx)")
+        ax.bar([x + 0.2 for x in xs], [max(1, r["model_bytes_per_step"] or 1) for r in sel], 0.4, label="cost model")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([r["contender"] for r in sel], rotation=30, ha="right", fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("bytes per step per worker")
+        ax.set_title(f"{w}, {link}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    files.append(os.path.join(outdir, "bytes_per_step.png"))
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+    return files
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
+    ap.add_argument("--workloads", default="mnist_cnn,mlp")
+    ap.add_argument("--links", default="100mbit,1gbit,none", help="tc rates per run: 100mbit, 1gbit, none")
+    ap.add_argument("--contenders", default=",".join(e2e_worker.CONTENDERS))
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--data-dir", default="/work/shared/data/mnist")
+    ap.add_argument("--train-subset", type=int, default=0)
+    ap.add_argument("--test-subset", type=int, default=0)
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--target", type=float, default=0.95)
+    ap.add_argument("--max-train-seconds", type=float, default=0.0, help="per contender (0: none)")
+    ap.add_argument("--period", type=int, default=5)
+    ap.add_argument("--powersgd-rank", type=int, default=2)
+    ap.add_argument("--initial-tau", type=float, default=1e-3)
+    ap.add_argument("--timeout", type=float, default=900.0, help="hard limit per contender run, seconds")
+    ap.add_argument("--no-netns", action="store_true", help="loopback torchrun (no root); bytes not comparable")
+    ap.add_argument("--out", default="bench/results/e2e")
+    raw = list(sys.argv[1:] if argv is None else argv)
+    a = ap.parse_args(raw)
+    if a.quick:
+        given = {x.split("=")[0].lstrip("-").replace("-", "_") for x in raw if x.startswith("--")}
+        for k, v in QUICK.items():
+            if k not in given:
+                setattr(a, k, v)
+    a.command = "python bench/e2e.py " + " ".join(raw)
+    if not os.path.isdir(a.data_dir):
+        print(f"no MNIST at {a.data_dir} (--data-dir)", file=sys.stderr)
+        return 2
+    rows = run_all(a)
+    with open(os.path.join(a.out, "results.json"), "w") as f:
+        json.dump({"command": a.command, "args": {k: v for k, v in vars(a).items()}, "results": rows}, f, indent=1)
+    md = markdown(rows, a)
+    with open(os.path.join(a.out, "results.md"), "w") as f:
+        f.write(md)
+    files = plots(rows, a.out)
+    print(md)
+    print("wrote", ", ".join([os.path.join(a.out, "results.json"), os.path.join(a.out, "results.md"), *files]))
+    return 0 if all(r["status"] in ("ok", "skipped") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

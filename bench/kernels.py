@@ -1,0 +1,306 @@
+"""Kernel benchmark: fused gradshare ops against a naive torch-ops version and a memory-bound reference.
+
+For each n (float32) and density, times through the public gradshare.ops API:
+
+    encode     fused threshold encode (format "auto": sparse at these densities; residual updated in place)
+    bitmap     fused threshold encode, bitmap format
+    count      count-only pass
+    decode     one sparse message added into a dense buffer
+    average4   mean of 4 buffers into a preallocated output (independent of density: once per n)
+
+Each op is compared, in the same run and interleaved repeat by repeat, with
+  * naive: the same result from several plain torch passes (add, abs, compare, nonzero, index, sub, ...),
+    as gradient-compression libraries written in plain torch do it;
+  * membound: torch.add(a, b, out=c) over m float32 elements with 12*m = the op's minimum bytes moved
+    (encode: read update + residual, write residual = 12n, so m = n; average4: 4 reads + 1 write = 20n, so
+    m = 5n/3; count: 8n; decode: message + read-modify-write of the touched elements = 12*count).
+
+Reported: median time of the repeats after warm-up, GB/s of the fused op (minimum bytes / time), the speedup
+over naive (naive / fused) and the ratio to the memory-bound reference (fused / membound). Torch and the
+gradshare kernels use the same thread count (--threads, default 2). With --device cuda, times come from CUDA
+events on the current stream.
+
+    python bench/kernels.py                      # n = 2^16, 2^20, 2^24; densities 1e-4, 1e-3, 1e-2
+    python bench/kernels.py --quick              # n = 2^16, 2^20, fewer repeats
+    python bench/kernels.py --json out.json      # also write every measurement as JSON
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+import gradshare
+from gradshare import message as msgfmt
+from gradshare import ops
+
+TAU = 1e-3
+TARGETS = {  # at n = 2^24, density 1e-3 (issue 2)
+    "encode": {"membound_max": 1.5, "naive_speedup_min": 5.0},
+    "average4": {"membound_max": 1.3},
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# inputs
+# ---------------------------------------------------------------------------------------------------
+
+def make_state(n: int, density: float, device, seed: int = 0):
+    """(update, residual) so that a `density` fraction of residual + update reaches TAU (exactly so)."""
+    g = torch.Generator().manual_seed(seed)
+    residual = (torch.rand(n, generator=g) - 0.5) * TAU  # |r| <= tau/2
+    update = (torch.rand(n, generator=g) - 0.5) * (0.2 * TAU)  # |r + g| <= 0.6 tau: never reaches tau
+    k = int(round(density * n))
+    hot = torch.randperm(n, generator=g)[:k]
+    update[hot] = torch.where(torch.rand(k, generator=g) < 0.5, -1.6, 1.6) * TAU  # |r + g| >= 1.1 tau
+    return update.to(device), residual.to(device)
+
+
+# ---------------------------------------------------------------------------------------------------
+# naive torch-ops versions
+# ---------------------------------------------------------------------------------------------------
+
+def naive_encode(update, residual, tau):
+    residual.add_(update)
+    idx = (residual.abs() >= tau).nonzero().flatten()
+    sel = residual[idx]
+    sign = torch.sign(sel)
+    residual[idx] = sel - sign * tau
+    return torch.where(sign > 0, idx + 1, -(idx + 1)).to(torch.int32)
+
+
+def naive_bitmap(update, residual, tau):
+    residual.add_(update)
+    pos, neg = residual >= tau, residual <= -tau
+    residual.sub_(pos.float() * tau).add_(neg.float() * tau)
+    n = residual.numel()
+    pad = (-n) % 16
+    bits = torch.nn.functional.pad((pos | neg).int(), (0, pad)) | (torch.nn.functional.pad(neg.int(), (0, pad)) << 16)
+    shifts = torch.arange(16, device=residual.device, dtype=torch.int32)
+    return (bits.view(-1, 16) << shifts).sum(dim=1, dtype=torch.int32)
+
+
+def naive_count(update, residual, tau):
+    return int(((residual + update).abs() >= tau).sum())
+
+
+def naive_decode(dst, msg):
+    info = msgfmt.parse_header(msg)
+    e = msg[msgfmt.HEADER_WORDS:msgfmt.HEADER_WORDS + info.count].long()
+    dst[e.abs() - 1] += torch.sign(e).float() * info.tau
+
+
+def naive_average(bufs, out):
+    torch.mean(torch.stack(bufs), dim=0, out=out)
+
+
+# ---------------------------------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------------------------------
+
+class Timer:
+    """Times one call: perf_counter on the CPU, CUDA events on the current stream on a GPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, setup, fn) -> float:
+        setup()
+        if self.cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+def measure(timer, variants: dict, repeats: int, warmup: int) -> dict:
+    """Median seconds per variant; variants are timed in turn within each repeat (same load for all)."""
+    times = {k: [] for k in variants}
+    for r in range(warmup + repeats):
+        for k, (setup, fn) in variants.items():
+            t = timer(setup, fn)
+            if r >= warmup:
+                times[k].append(t)
+    return {k: statistics.median(v) for k, v in times.items()} | {f"{k}_min": min(v) for k, v in times.items()}
+
+
+def membound_variant(m: int, device):
+    a, b = torch.rand(m, device=device), torch.rand(m, device=device)
+    c = torch.empty(m, device=device)
+    return (lambda: None, lambda: torch.add(a, b, out=c))
+
+
+def nothing():
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# one n
+# ---------------------------------------------------------------------------------------------------
+
+def bench_n(n: int, densities, device, repeats: int, warmup: int) -> list:
+    timer = Timer(device)
+    rows = []
+    for density in densities:
+        update, residual0 = make_state(n, density, device, seed=n)
+        residual = residual0.clone()
+        r_naive = residual0.clone()
+
+        def reset():
+            residual.copy_(residual0)
+
+        def reset_naive():
+            r_naive.copy_(residual0)
+
+        count = ops.count(update, residual0, TAU)
+        msg = ops.encode(update, residual0.clone(), TAU)  # "auto": sparse at these densities
+        dst = torch.zeros(n, device=device)
+        checks = {  # the naive versions compute the same thing
+            "count": naive_count(update, residual0, TAU) == count,
+            "sparse": msgfmt.parse_header(msg).format == msgfmt.SPARSE,
+            "encode": torch.equal(naive_encode(update, residual0.clone(), TAU), msg[5:]),
+        }
+        if not all(checks.values()):
+            raise AssertionError(f"naive and fused disagree at n={n}, density={density}: {checks}")
+
+        specs = {
+            "encode": ({"fused": (reset, lambda: ops.encode(update, residual, TAU)),
+                        "naive": (reset_naive, lambda: naive_encode(update, r_naive, TAU))}, 12 * n),
+            "bitmap": ({"fused": (reset, lambda: ops.encode(update, residual, TAU, format="bitmap")),
+                        "naive": (reset_naive, lambda: naive_bitmap(update, r_naive, TAU))},
+                       12 * n + 4 * msgfmt.bitmap_words(n)),
+            "count": ({"fused": (nothing, lambda: ops.count(update, residual0, TAU)),
+                       "naive": (nothing, lambda: naive_count(update, residual0, TAU))}, 8 * n),
+            "decode": ({"fused": (nothing, lambda: ops.decode(dst, msg)),
+                        "naive": (nothing, lambda: naive_decode(dst, msg))}, 12 * max(count, 1)),
+        }
+        for op, (variants, nbytes) in specs.items():
+            m = max(1, nbytes // 12)
+            variants = dict(variants, membound=membound_variant(m, device))
+            t = measure(timer, variants, repeats, warmup)
+            rows.append(record(op, n, density, count, nbytes, m, t))
+            del variants
+    # averaging does not depend on the density
+    bufs = [torch.rand(n, device=device) for _ in range(4)]
+    out = torch.empty(n, device=device)
+    nbytes = 20 * n
+    m = nbytes // 12
+    variants = {"fused": (nothing, lambda: ops.average(bufs, out=out)),
+                "naive": (nothing, lambda: naive_average(bufs, out)),
+                "membound": membound_variant(m, device)}
+    rows.append(record("average4", n, None, None, nbytes, m, measure(timer, variants, repeats, warmup)))
+    return rows
+
+
+def record(op, n, density, count, nbytes, m, t) -> dict:
+    return {"op": op, "n": n, "density": density, "count": count, "bytes": nbytes, "membound_elements": m,
+            "fused_s": t["fused"], "naive_s": t["naive"], "membound_s": t["membound"],
+            "fused_min_s": t["fused_min"], "naive_min_s": t["naive_min"], "membound_min_s": t["membound_min"],
+            "fused_gbps": nbytes / t["fused"] / 1e9, "naive_speedup": t["naive"] / t["fused"],
+            "membound_ratio": t["fused"] / t["membound"]}
+
+
+# ---------------------------------------------------------------------------------------------------
+# output
+# ---------------------------------------------------------------------------------------------------
+
+def log2(n: int) -> str:
+    return f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 else str(n)
+
+
+def markdown(rows) -> str:
+    lines = ["| n | density | op | fused ms | GB/s | naive ms | speedup vs naive | membound ms | fused / membound |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        d = "-" if r["density"] is None else f"{r['density']:g}"
+        lines.append(f"| {log2(r['n'])} | {d} | {r['op']} | {r['fused_s'] * 1e3:.3f} | {r['fused_gbps']:.1f} | "
+                     f"{r['naive_s'] * 1e3:.3f} | {r['naive_speedup']:.1f}x | {r['membound_s'] * 1e3:.3f} | "
+                     f"{r['membound_ratio']:.2f} |")
+    return "\n".join(lines)
+
+
+def target_report(rows) -> list:
+    out = []
+    for r in rows:
+        if r["n"] != 2**24 or r["op"] not in TARGETS or r["density"] not in (None, 1e-3):
+            continue
+        t = TARGETS[r["op"]]
+        if "membound_max" in t:
+            ok = r["membound_ratio"] <= t["membound_max"]
+            out.append(f"{r['op']} n=2^24: {r['membound_ratio']:.2f}x the memory-bound time "
+                       f"(target <= {t['membound_max']}x): {'met' if ok else 'MISSED'}")
+        if "naive_speedup_min" in t:
+            ok = r["naive_speedup"] >= t["naive_speedup_min"]
+            out.append(f"{r['op']} n=2^24: {r['naive_speedup']:.1f}x faster than naive "
+                       f"(target >= {t['naive_speedup_min']}x): {'met' if ok else 'MISSED'}")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--sizes", default=None, help="comma-separated log2 sizes (default 16,20,24; --quick: 16,20)")
+    p.add_argument("--densities", default="1e-4,1e-3,1e-2")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per variant (default 15; --quick: 5)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2, help="torch and gradshare CPU threads")
+    p.add_argument("--quick", action="store_true", help="small sizes, few repeats")
+    p.add_argument("--json", default=None, help="write the measurements to this file")
+    a = p.parse_args(argv)
+
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device")
+    torch.set_num_threads(a.threads)
+    gradshare.set_num_threads(a.threads)
+    sizes = [int(s) for s in (a.sizes or ("16,20" if a.quick else "16,20,24")).split(",")]
+    densities = [float(d) for d in a.densities.split(",")]
+    repeats = a.repeats or (5 if a.quick else 15)
+    warmup = min(a.warmup, 1) if a.quick else a.warmup
+
+    rows = []
+    for s in sizes:
+        rows += bench_n(2**s, densities, device, repeats, warmup)
+        print(f"# n=2^{s} done", file=sys.stderr, flush=True)
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    meta = {"command": " ".join(["python", "bench/kernels.py"] + (argv if argv is not None else sys.argv[1:])),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": str(device), "threads": a.threads, "torch": torch.__version__, "cpu": cpu,
+            "gradshare": gradshare.build_info(), "repeats": repeats, "warmup": warmup, "tau": TAU,
+            "membound": "torch.add(a, b, out=c) over m float32 elements, 12*m = the op's bytes",
+            "naive_average": "torch.mean(torch.stack(bufs), dim=0, out=out)"}
+    print(f"device {device}, {a.threads} threads, torch {torch.__version__}, {cpu}; median of {repeats} "
+          f"after {warmup} warm-up")
+    print()
+    print(markdown(rows))
+    targets = target_report(rows)
+    if targets:
+        print()
+        for line in targets:
+            print(f"- {line}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows, "targets": targets}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

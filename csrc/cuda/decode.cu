@@ -1,0 +1,194 @@
+// Bounds-checked decoding (CUDA). Like csrc/cpu/decode.cpp, every message is validated in full before
+// any element of dst is touched, so a corrupt or hostile message raises gs::MessageError (with the
+// CPU's wording) and leaves dst exactly as it was:
+//   1. the headers are gathered and copied to the host and checked there (check_header);
+//   2. the payloads of the messages before the first bad header are checked on the device (one thread
+//      per sparse entry or bitmap word; first bad word by atomicMin, bitmap entries summed), one sync;
+//   3. the messages are applied in order on the stream: dst[i] += / -= tau * scale.
+#include <cub/block/block_reduce.cuh>
+#include <string>
+#include <vector>
+
+#include "cuda/common.cuh"
+#include "gradshare/kernels.h"
+
+namespace gs {
+namespace {
+
+using cuda::kThreads;
+
+[[noreturn]] void fail(int64_t m, const std::string& what) {
+  throw MessageError("message " + std::to_string(m) + ": " + what);
+}
+
+__device__ __forceinline__ int64_t thread_index() { return int64_t(blockIdx.x) * kThreads + threadIdx.x; }
+
+__device__ __forceinline__ int64_t abs_entry(int32_t e) { return e < 0 ? -(int64_t)e : (int64_t)e; }
+
+__global__ void __launch_bounds__(kThreads)
+    gather_headers_kernel(const int32_t* msgs, int64_t num_msgs, int64_t row_words, int32_t* heads) {
+  const int64_t t = thread_index();
+  if (t >= num_msgs * kHeaderWords) return;
+  heads[t] = msgs[(t / kHeaderWords) * row_words + t % kHeaderWords];
+}
+
+// One thread per entry: the first entry that is out of bounds or not ascending (atomicMin).
+__global__ void __launch_bounds__(kThreads)
+    check_sparse_kernel(const int32_t* p, int64_t count, int64_t n, unsigned long long* first_bad) {
+  const int64_t j = thread_index();
+  if (j >= count) return;
+  const int64_t prev = j == 0 ? 0 : abs_entry(p[j - 1]);
+  if (!sparse_entry_ok(p[j], prev, n)) atomicMin(first_bad, static_cast<unsigned long long>(j));
+}
+
+// One thread per word: the first malformed word (atomicMin) and the number of entries.
+__global__ void __launch_bounds__(kThreads)
+    check_bitmap_kernel(const int32_t* p, int64_t words, int64_t n, unsigned long long* first_bad,
+                        unsigned long long* entries) {
+  using Reduce = cub::BlockReduce<int, kThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  const int64_t w = thread_index();
+  int c = 0;
+  if (w < words) {  // no early return: every thread joins the reduction
+    const uint32_t x = static_cast<uint32_t>(p[w]);
+    if (!bitmap_word_ok(x, w, n)) atomicMin(first_bad, static_cast<unsigned long long>(w));
+    c = popcount16(x);
+  }
+  const int block_entries = Reduce(tmp).Sum(c);
+  if (threadIdx.x == 0 && block_entries != 0) atomicAdd(entries, static_cast<unsigned long long>(block_entries));
+}
+
+// One thread per entry; entries are distinct (validated ascending), so no two threads share an element.
+// The bounds test repeats the validation so that no write can leave dst whatever the payload holds.
+__global__ void __launch_bounds__(kThreads)
+    apply_sparse_kernel(float* dst, const int32_t* p, int64_t count, int64_t n, float v) {
+  const int64_t j = thread_index();
+  if (j >= count) return;
+  const int32_t e = p[j];
+  const int64_t a = abs_entry(e);
+  if (a < 1 || a > n) return;
+  if (e > 0) dst[a - 1] += v;
+  else dst[a - 1] -= v;
+}
+
+// One thread per element (coalesced); the 16 threads of a word read the same payload word.
+__global__ void __launch_bounds__(kThreads) apply_bitmap_kernel(float* dst, const int32_t* p, int64_t n, float v) {
+  const int64_t i = thread_index();
+  if (i >= n) return;
+  const uint32_t x = static_cast<uint32_t>(p[i / 16]);
+  const uint32_t b = static_cast<uint32_t>(i % 16);
+  if (x & (1u << b)) {
+    if (x & (1u << (b + 16))) dst[i] -= v;
+    else dst[i] += v;
+  }
+}
+
+}  // namespace
+
+void decode_cuda(float* dst, int64_t n, const int32_t* msgs, int64_t num_msgs, int64_t row_words, float scale,
+                 void* stream) {
+  if (n < 0 || n > kMaxElements) throw std::invalid_argument("dst: size must be in [0, 2^31-1]");
+  if (num_msgs < 0) throw std::invalid_argument("messages: negative count");
+  if (!is_finite(scale)) throw std::invalid_argument("scale must be finite");
+  if (num_msgs == 0) return;
+  if (row_words < kHeaderWords) {
+    const int32_t none[kHeaderWords] = {0, 0, 0, 0, 0};
+    fail(0, check_header(none, row_words, n, scale));
+  }
+  cuda::DeviceGuard guard(msgs, "messages");
+  if (n > 0) cuda::device_of(dst, "dst");
+  const cudaStream_t s = cuda::as_stream(stream);
+
+  // 1. Headers, checked on the host in message order.
+  const int64_t head_words = num_msgs * kHeaderWords;
+  std::vector<int32_t> heads(static_cast<size_t>(head_words));
+  {
+    cuda::Scratch dev_heads(size_t(head_words) * sizeof(int32_t), s);
+    gather_headers_kernel<<<cuda::blocks_for(head_words, kThreads), kThreads, 0, s>>>(msgs, num_msgs, row_words,
+                                                                                      dev_heads.at<int32_t>(0));
+    cuda::check_launch("gather_headers_kernel");
+    cuda::check(cudaMemcpyAsync(heads.data(), dev_heads.at<int32_t>(0), size_t(head_words) * sizeof(int32_t),
+                                cudaMemcpyDeviceToHost, s),
+                "cudaMemcpyAsync(headers)");
+    cuda::check(cudaStreamSynchronize(s), "cudaStreamSynchronize(headers)");
+  }
+  auto head = [&](int64_t m) { return heads.data() + m * kHeaderWords; };
+  auto payload = [&](int64_t m) { return msgs + m * row_words + kHeaderWords; };
+  int64_t bad_header = -1;
+  const char* header_error = nullptr;
+  for (int64_t m = 0; m < num_msgs && bad_header < 0; ++m)
+    if ((header_error = check_header(head(m), row_words, n, scale)) != nullptr) bad_header = m;
+
+  // 2. Payloads of the messages before the first bad header (the CPU validates message by message, so
+  //    a bad payload in an earlier message is the error it reports).
+  const int64_t checked = bad_header >= 0 ? bad_header : num_msgs;
+  if (checked > 0) {
+    const size_t at_entries = cuda::align_up(size_t(checked) * sizeof(unsigned long long));
+    cuda::Scratch dev(at_entries + size_t(checked) * sizeof(unsigned long long), s);
+    unsigned long long* first_bad = dev.at<unsigned long long>(0);
+    unsigned long long* entries = dev.at<unsigned long long>(at_entries);
+    cuda::check(cudaMemsetAsync(first_bad, 0xff, size_t(checked) * sizeof(unsigned long long), s), "cudaMemsetAsync");
+    cuda::check(cudaMemsetAsync(entries, 0, size_t(checked) * sizeof(unsigned long long), s), "cudaMemsetAsync");
+    for (int64_t m = 0; m < checked; ++m) {
+      if (head(m)[1] == kSparse) {
+        const int64_t count = head(m)[3];
+        if (count == 0) continue;
+        check_sparse_kernel<<<cuda::blocks_for(count, kThreads), kThreads, 0, s>>>(payload(m), count, n, first_bad + m);
+        cuda::check_launch("check_sparse_kernel");
+      } else {
+        const int64_t words = bitmap_words(n);
+        if (words == 0) continue;
+        check_bitmap_kernel<<<cuda::blocks_for(words, kThreads), kThreads, 0, s>>>(payload(m), words, n,
+                                                                                 first_bad + m, entries + m);
+        cuda::check_launch("check_bitmap_kernel");
+      }
+    }
+    std::vector<unsigned long long> h_bad(static_cast<size_t>(checked)), h_entries(static_cast<size_t>(checked));
+    cuda::check(cudaMemcpyAsync(h_bad.data(), first_bad, size_t(checked) * sizeof(unsigned long long),
+                                cudaMemcpyDeviceToHost, s),
+                "cudaMemcpyAsync(validation)");
+    cuda::check(cudaMemcpyAsync(h_entries.data(), entries, size_t(checked) * sizeof(unsigned long long),
+                                cudaMemcpyDeviceToHost, s),
+                "cudaMemcpyAsync(validation)");
+    cuda::check(cudaStreamSynchronize(s), "cudaStreamSynchronize(validation)");
+    for (int64_t m = 0; m < checked; ++m) {
+      const int64_t count = head(m)[3];
+      if (head(m)[1] == kSparse) {
+        if (h_bad[m] != cuda::kNone) {
+          const int64_t j = static_cast<int64_t>(h_bad[m]);
+          int32_t e = 0;
+          cuda::check(cudaMemcpyAsync(&e, payload(m) + j, sizeof e, cudaMemcpyDeviceToHost, s),
+                      "cudaMemcpyAsync(entry)");
+          cuda::check(cudaStreamSynchronize(s), "cudaStreamSynchronize(entry)");
+          fail(m, "sparse entry " + std::to_string(j) + " (" + std::to_string(e) + ") is out of bounds for n=" +
+                      std::to_string(n) + " or not strictly ascending");
+        }
+      } else {
+        if (h_bad[m] != cuda::kNone)
+          fail(m, "bitmap word " + std::to_string(h_bad[m]) +
+                      " has a sign bit without its present bit or a bit past n");
+        if (static_cast<int64_t>(h_entries[m]) != count)
+          fail(m, "bitmap holds " + std::to_string(h_entries[m]) + " entries but the header says " +
+                      std::to_string(count));
+      }
+    }
+  }
+  if (bad_header >= 0) fail(bad_header, header_error);
+
+  // 3. Apply in message order (kernels on one stream run in order).
+  for (int64_t m = 0; m < num_msgs; ++m) {
+    const float v = entry_value(bits_to_float(head(m)[4]), scale);
+    if (head(m)[1] == kSparse) {
+      const int64_t count = head(m)[3];
+      if (count == 0) continue;
+      apply_sparse_kernel<<<cuda::blocks_for(count, kThreads), kThreads, 0, s>>>(dst, payload(m), count, n, v);
+      cuda::check_launch("apply_sparse_kernel");
+    } else {
+      if (n == 0) continue;
+      apply_bitmap_kernel<<<cuda::blocks_for(n, kThreads), kThreads, 0, s>>>(dst, payload(m), n, v);
+      cuda::check_launch("apply_bitmap_kernel");
+    }
+  }
+}
+
+}  // namespace gs

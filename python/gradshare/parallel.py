@@ -1,0 +1,186 @@
+"""ParallelWrapper: data-parallel training on one machine's devices without writing distributed code.
+
+Use it to train a PyTorch model on several GPUs, or several CPU worker processes, of one host (DL4J's
+ParallelWrapper). It starts the workers (gradshare.workers.run_local), shards the data, runs the chosen
+scheme (threshold gradient sharing or periodic parameter averaging), and loads the trained weights back
+into your model. For several hosts run gradshare.loop.train_rank under torchrun or Spark instead.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from gradshare import data as gdata
+from gradshare import loop
+from gradshare.workers import run_local
+
+_DAY = 24 * 3600.0
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def default_workers(devices: Optional[Sequence[str]] = None) -> int:
+    """One worker per device when devices are given or CUDA is present; else up to 4 CPU workers, no
+    more than the cores (each then gets cores // workers torch threads)."""
+    if devices:
+        return len(devices)
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return max(1, min(4, available_cores()))
+
+
+def default_devices() -> Optional[List[str]]:
+    if torch.cuda.is_available():
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    return None
+
+
+def launch_local(fn: Callable, config: Any, workers: int, *, devices: Optional[Sequence[str]] = None,
+                 timeout: float = 7 * _DAY) -> List[Any]:
+    """Runs ``fn(config)`` on ``workers`` local processes (gloo on CPU, NCCL when the devices are CUDA);
+    each worker's torch threads are the cores split between them. Returns the results by rank; a worker
+    that fails raises gradshare.workers.WorkerError with its traceback."""
+    cuda = bool(devices) and all(str(d).startswith("cuda") for d in devices)
+    threads = max(1, available_cores() // workers)
+    out = run_local(_call_and_pickle, workers, (fn, config), backend="nccl" if cuda else "gloo",
+                    threads=threads, timeout=timeout, collective_timeout=600.0)
+    return [pickle.loads(b) for b in out]
+
+
+def _call_and_pickle(fn: Callable, config: Any) -> bytes:
+    # Results travel as plain pickles: a tensor sent through torch's shared-memory reduction would refer
+    # to a file descriptor of a worker that has exited by the time the caller reads it.
+    return pickle.dumps(fn(config))
+
+
+class ParallelWrapper:
+    """Trains ``model`` data-parallel on ``workers`` local processes; ``fit``, ``evaluate``, ``predict``.
+
+    Args:
+        model: the module to train; after ``fit`` it holds the trained weights (on its original device).
+        optimizer: a factory ``f(params) -> Optimizer`` (module-level or functools.partial), an optimizer
+            class (with ``optimizer_kwargs``), or ``(class, kwargs)``. Each worker builds its own.
+        loss_fn: ``loss(outputs, targets)`` averaged over the batch (default cross-entropy).
+        workers: worker processes (default: one per GPU, else a CPU count that fits the cores).
+        mode: "shared_gradients" (threshold-encoded gradient sharing, gradshare.optim.SharedOptimizer)
+            or "averaging" (parameters and optimizer state averaged every ``averaging_frequency`` steps).
+        averaging_frequency: steps between averaging rounds (averaging mode).
+        prefetch_buffer: batches each worker prepares ahead in a background thread.
+        threshold: threshold algorithm for gradient sharing (default gradshare.thresholds.Adaptive()).
+        devices: devices to place workers on (worker i on devices[i % len]); default the GPUs, else CPU.
+        seed: fixes the data order of every epoch (and each worker's torch RNG).
+        progress: show a tqdm progress bar (rank 0).
+        timeout: seconds after which a whole fit/evaluate/predict gives up.
+        shared, clipping, average_optimizer_state, warmup_steps: see gradshare.loop.TrainConfig.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Any, loss_fn: Optional[Callable] = None,
+                 workers: Optional[int] = None, mode: str = "shared_gradients", averaging_frequency: int = 5,
+                 prefetch_buffer: int = 2, threshold: Any = None, devices: Optional[Sequence[str]] = None,
+                 seed: int = 0, *, optimizer_kwargs: Optional[Dict[str, Any]] = None, shared: str = "gradients",
+                 clipping: Any = "default", average_optimizer_state: bool = True, warmup_steps: int = 0,
+                 progress: bool = True, timeout: float = 7 * _DAY):
+        if mode not in loop.MODES:
+            raise ValueError(f"mode: expected one of {loop.MODES}, got {mode!r}")
+        if isinstance(optimizer, type):
+            optimizer = (optimizer, dict(optimizer_kwargs or {}))
+        elif optimizer_kwargs:
+            raise ValueError("optimizer_kwargs: only with an optimizer class")
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn or loop.default_loss
+        self.devices = list(devices) if devices else default_devices()
+        self.workers = int(workers) if workers is not None else default_workers(self.devices)
+        if self.workers < 1:
+            raise ValueError(f"workers: must be >= 1, got {workers}")
+        self.mode = mode
+        self.averaging_frequency = int(averaging_frequency)
+        self.prefetch_buffer = int(prefetch_buffer)
+        self.threshold = threshold
+        self.seed = int(seed)
+        self.shared = shared
+        self.clipping = clipping
+        self.average_optimizer_state = average_optimizer_state
+        self.warmup_steps = int(warmup_steps)
+        self.progress = progress
+        self.timeout = float(timeout)
+        self.steps: List[Dict[str, Any]] = []  # per-step records of rank 0 in the last fit
+        for name in ("optimizer", "loss_fn", "threshold", "clipping"):
+            loop.check_picklable(name, getattr(self, name))
+
+    def config(self, data, epochs: int = 1, batch_size: int = 32, validation_data=None,
+               metrics: Sequence[Any] = ("loss", "accuracy")) -> loop.TrainConfig:
+        """The TrainConfig ``fit`` runs (also usable with gradshare.loop.train_rank under other launchers)."""
+        cfg = loop.TrainConfig(
+            model=self.model, optimizer=self.optimizer, train_data=_shareable(data, "train", self.seed),
+            loss_fn=self.loss_fn, epochs=epochs, batch_size=batch_size, mode=self.mode, shared=self.shared,
+            threshold=self.threshold, clipping=self.clipping, averaging_frequency=self.averaging_frequency,
+            average_optimizer_state=self.average_optimizer_state, warmup_steps=self.warmup_steps,
+            validation_data=None if validation_data is None else _shareable(validation_data, "test", self.seed),
+            metrics=tuple(metrics), seed=self.seed, devices=self.devices, prefetch_buffer=self.prefetch_buffer,
+            progress=self.progress)
+        cfg.validate()
+        return cfg
+
+    def fit(self, data, epochs: int = 1, batch_size: int = 32, validation_data=None,
+            metrics: Sequence[Any] = ("loss", "accuracy")) -> List[Dict[str, Any]]:
+        """Trains for ``epochs`` epochs over ``data`` (a Dataset, a tuple of tensors, or "digits" /
+        "mnist:PATH" for their training split); ``batch_size`` is per worker. Loads the trained weights
+        into ``self.model`` and returns the history: per epoch, training loss and accuracy over all
+        workers, bytes sent and what dense all-reduce would have sent (all workers), density, seconds,
+        and ``val_<metric>`` for ``validation_data``. Each fit builds fresh optimizers (their state is
+        not carried from one fit to the next); ``self.steps`` then holds rank 0's per-step records."""
+        loop.check_picklable("metrics", tuple(metrics))
+        cfg = self.config(data, epochs, batch_size, validation_data, metrics)
+        results = launch_local(loop.train_rank, cfg, self.workers, devices=self.devices, timeout=self.timeout)
+        r0 = results[0]
+        self.model.load_state_dict(r0["state"])
+        self.steps = r0["steps"]
+        return r0["history"]
+
+    def evaluate(self, data, metrics: Sequence[Any] = ("loss", "accuracy"), batch_size: int = 256) -> Dict[str, float]:
+        """Metrics of the model over all of ``data`` (a spec string means its test split), computed by the
+        workers on disjoint blocks and combined exactly: equal to evaluating the whole dataset in one
+        process. Several metrics in one pass; names or callables (see gradshare.metrics)."""
+        from gradshare import metrics as gmetrics
+
+        gmetrics.check_metrics(metrics)
+        loop.check_picklable("metrics", tuple(metrics))
+        cfg = loop.EvalConfig(model=self.model, data=_shareable(data, "test", self.seed),
+                              metrics=tuple(metrics), loss_fn=self.loss_fn, batch_size=batch_size,
+                              devices=self.devices, seed=self.seed)
+        return launch_local(loop.evaluate_rank, cfg, self.workers, devices=self.devices,
+                            timeout=self.timeout)[0]
+
+    def predict(self, data, batch_size: int = 256) -> torch.Tensor:
+        """Model outputs for every sample of ``data``, in the original order (nothing dropped or repeated,
+        whatever the dataset size); inputs only are used (a Dataset's first item, or a tensor)."""
+        if isinstance(data, torch.Tensor):
+            data = (data,)
+        cfg = loop.EvalConfig(model=self.model, data=_shareable(data, "test", self.seed),
+                              batch_size=batch_size, devices=self.devices, seed=self.seed)
+        return launch_local(loop.predict_rank, cfg, self.workers, devices=self.devices,
+                            timeout=self.timeout)[0]
+
+    def __repr__(self) -> str:
+        return (f"ParallelWrapper({type(self.model).__name__}, workers={self.workers}, mode={self.mode!r}, "
+                f"averaging_frequency={self.averaging_frequency}, devices={self.devices})")
+
+
+def _shareable(data, split: str, seed: int):
+    """Spec strings travel as strings (each worker loads its own copy); tensors go through shared memory
+    (workers copy the model before training, so the caller's weights are only replaced at the end)."""
+    if isinstance(data, str):
+        if data != "digits" and not data.startswith("mnist:"):
+            raise ValueError(f"data: expected 'digits' or 'mnist:PATH', got {data!r}")
+        return data
+    return gdata.as_dataset(data, split, seed=seed)

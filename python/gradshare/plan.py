@@ -1,0 +1,274 @@
+"""Advise which data-parallel scheme to use for a model, a worker count and a link.
+
+Give the model as a parameter count (--params) or a class to load (--model pkg.module:Class), the workers,
+the link bandwidth, and the compute time of one step on one worker (--step-time in ms, or --measure to time
+a few real forward/backward steps). The advice comes from gradshare.costmodel: the expected step time of
+dense allreduce, fp16 allreduce, PowerSGD, gradshare threshold sharing and parameter averaging, DL4J's rule
+of thumb (>= 100 ms per step scales well, ~10 ms sub-linearly, <= 1 ms is not worth distributing), and a
+suggested threshold algorithm and averaging frequency. The model does not predict accuracy: compressed and
+averaged schemes trade some convergence per step for fewer bytes; check with a short run.
+
+Examples:
+    gradshare plan --params 25000000 --workers 2 --bandwidth 100mbit --step-time 100
+    gradshare plan --model torchvision.models:resnet18 --input-shape 3,224,224 --batch-size 32 --measure --json
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import sys
+import time
+from typing import List, Optional, Sequence, Tuple
+
+from gradshare import costmodel as cm
+from gradshare.message import HEADER_WORDS
+
+# DL4J's guidance on when distributing pays (per-iteration compute time on one worker).
+SCALES_WELL_S = 0.100
+NOT_WORTH_S = 0.001
+# Compression must win clearly to be worth its accuracy risk: within this factor of the best, plain allreduce.
+ALLREDUCE_TOLERANCE = 1.05
+# Distributing must beat one worker by this throughput factor to be recommended.
+MIN_SPEEDUP = 1.1
+# Averaging frequency / threshold are chosen so communication costs at most this share of compute.
+COMM_BUDGET = 0.10
+MAX_AVERAGING_PERIOD = 20     # DL4J javadoc: much above ~20 hurts convergence
+CHOICES = ("allreduce", "fp16", "powersgd", "sharing", "averaging")
+
+
+def add_arguments(p) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", type=int, help="number of trainable parameters")
+    src.add_argument("--model", help="module:Class to instantiate and count (e.g. torchvision.models:resnet18)")
+    p.add_argument("--model-kwargs", default="{}", help="JSON keyword arguments for the model class")
+    p.add_argument("--workers", type=int, default=2, help="data-parallel workers")
+    p.add_argument("--bandwidth", default="1gbit", help="per-worker link: 100mbit, 1gbit, 10gbit, 12.5MB/s ...")
+    p.add_argument("--latency-ms", type=float, default=cm.LATENCY_SECONDS * 1e3, help="per message round")
+    p.add_argument("--efficiency", type=float, default=cm.LINK_EFFICIENCY,
+                   help="payload share of the link rate (TCP/IP overhead)")
+    when = p.add_mutually_exclusive_group()
+    when.add_argument("--step-time", type=float, help="compute time of one step on one worker, ms")
+    when.add_argument("--measure", action="store_true", help="time a few forward/backward steps of --model")
+    p.add_argument("--input-shape", help="one sample's shape for --measure, e.g. 1,28,28")
+    p.add_argument("--batch-size", type=int, default=32, help="per-worker batch for --measure")
+    p.add_argument("--measure-steps", type=int, default=5, help="timed steps for --measure (after 2 warm-up)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads for --measure (one core per worker)")
+    p.add_argument("--density", type=float, default=1e-3,
+                   help="expected fraction of elements per gradshare message (Adaptive keeps 1e-4..1e-2)")
+    p.add_argument("--powersgd-rank", type=int, default=2)
+    p.add_argument("--averaging-period", type=int, help="fix the averaging period instead of suggesting one")
+    p.add_argument("--optimizer-state", type=float, default=0.0,
+                   help="parameter-sized optimizer buffers averaged too (momentum 1, Adam 2)")
+    p.add_argument("--overlap", type=float, default=0.0,
+                   help="share of compute that hides a DDP allreduce (0 = none, 1 = fully overlapped)")
+    p.add_argument("--encode-ns", type=float, default=cm.ENCODE_SECONDS_PER_ELEMENT * 1e9,
+                   help="gradshare encode cost per element, ns (default measured on one loaded core)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+# ------------------------------------------------------------------------------------------ model
+def load_model(spec: str, kwargs: Optional[dict] = None):
+    """Instantiates ``module:Class`` (or ``module:function``) with ``kwargs``."""
+    if ":" not in spec:
+        raise ValueError(f"--model wants module:Class, got {spec!r}")
+    module_name, attr = spec.split(":", 1)
+    if "" not in sys.path:
+        sys.path.insert(0, "")
+    obj = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj(**(kwargs or {}))
+
+
+def model_shapes(model) -> List[Tuple[int, ...]]:
+    return [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+
+
+def measure_step_time(model, input_shape: Sequence[int], batch_size: int = 32, steps: int = 5,
+                      warmup: int = 2, threads: int = 1) -> float:
+    """Median seconds of forward + backward + SGD step on a random batch (one worker's compute)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model.train()
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+        x = torch.randn(batch_size, *input_shape)
+        times = []
+        for i in range(warmup + steps):
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            out = model(x)
+            out = out[0] if isinstance(out, (tuple, list)) else out
+            out.float().square().mean().backward()
+            opt.step()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        times.sort()
+        return times[len(times) // 2]
+    finally:
+        torch.set_num_threads(old)
+
+
+# ------------------------------------------------------------------------------------------ advice
+def dl4j_band(compute: float) -> Tuple[str, str]:
+    """DL4J's rule for a step of ``compute`` seconds: (band, explanation)."""
+    ms = compute * 1e3
+    if compute <= NOT_WORTH_S:
+        return "not-worth-distributing", f"{ms:.3g} ms per step (<= 1 ms): one machine may be as fast"
+    if compute >= SCALES_WELL_S:
+        return "scales-well", f"{ms:.3g} ms per step (>= 100 ms): distributing scales well"
+    return "sub-linear", f"{ms:.3g} ms per step (1-100 ms; ~10 ms scales sub-linearly)"
+
+
+def suggest_averaging_period(params: int, workers: int, link: cm.Link, compute: float,
+                             optimizer_state_factor: float = 0.0) -> Tuple[Optional[int], str]:
+    """Smallest period k <= 20 whose amortised averaging traffic costs <= 10% of compute (None if none)."""
+    if workers < 2:
+        return None, "one worker: nothing to average"
+    full = link.time(cm.dense_allreduce_bytes(workers, params) * (1 + optimizer_state_factor), 2 * (workers - 1))
+    k = max(1, math.ceil(full / (COMM_BUDGET * compute))) if compute > 0 else None
+    if k is None or k > MAX_AVERAGING_PERIOD:
+        return None, (f"averaging takes {full * 1e3:.3g} ms; keeping it under {COMM_BUDGET:.0%} of compute needs "
+                      f"a period above {MAX_AVERAGING_PERIOD} steps, where convergence suffers (DL4J)")
+    return k, (f"average every {k} step(s): {full * 1e3:.3g} ms per averaging, {full / k * 1e3:.3g} ms per step "
+               f"amortised (<= {COMM_BUDGET:.0%} of compute); DL4J default 5, keep <= {MAX_AVERAGING_PERIOD}")
+
+
+def fitting_density(params: int, workers: int, link: cm.Link, compute: float) -> float:
+    """Largest message density whose all-gather costs <= 10% of compute (may be 0)."""
+    if workers < 2 or params == 0:
+        return 1.0
+    budget = COMM_BUDGET * compute - 2 * (workers - 1) * link.latency
+    nbytes = budget * link.bandwidth * link.efficiency / 8.0 / (workers - 1) - cm.LENGTH_BYTES
+    entries = nbytes / cm.WORD_BYTES - HEADER_WORDS
+    return max(0.0, min(1.0, entries / params))
+
+
+def suggest_threshold(params: int, workers: int, link: cm.Link, compute: float, density: float) -> dict:
+    """A threshold algorithm (gradshare.thresholds) for the link: Adaptive unless the link needs sparser messages."""
+    fit = fitting_density(params, workers, link, compute)
+    crossover = cm.sharing_crossover_workers(density)
+    out = {"fitting_density": fit, "crossover_workers": crossover}
+    if workers >= crossover:
+        out.update(algorithm="Adaptive()", why=(
+            f"at {workers} workers the all-gather of density-{density:g} messages moves more than a dense allreduce "
+            f"(N > 2/d = {crossover:g}): gradshare falls back to the dense allreduce on those steps; "
+            f"parameter averaging or fewer, larger workers suit this better"))
+    elif fit >= 1e-2:
+        out.update(algorithm="Adaptive(initial=1e-3, min_sparsity=1e-4, max_sparsity=1e-2)",
+                   why="DL4J's defaults: even 1e-2-dense messages cost <= 10% of compute on this link")
+    elif fit >= 1e-4:
+        cap = float(f"{fit:.1g}")
+        cap = cap if cap <= fit else fit
+        out.update(algorithm=f"Adaptive(initial=1e-3, min_sparsity=1e-4, max_sparsity={cap:.2g})",
+                   why=f"messages denser than {fit:.2g} would cost over 10% of compute; cap the adaptive range there")
+    else:
+        target = max(fit, 1e-5)
+        out.update(algorithm=f"TargetSparsity(initial=1e-4, target={target:.2g})",
+                   why=(f"10% of compute carries messages of density {fit:.2g} at most; steer to {target:.2g} "
+                        f"(below 1e-4 convergence slows: watch the loss, DL4J #4270) or use averaging"))
+    return out
+
+
+def make_plan(params: int, workers: int, bandwidth: float, compute: float, *, latency: float = cm.LATENCY_SECONDS,
+              efficiency: float = cm.LINK_EFFICIENCY, density: float = 1e-3, powersgd_rank: int = 2, shapes=None,
+              averaging_period: Optional[int] = None, optimizer_state_factor: float = 0.0,
+              overlap: float = 0.0, encode_per_element: float = cm.ENCODE_SECONDS_PER_ELEMENT) -> dict:
+    """The whole plan as a dict (what --json prints)."""
+    link = cm.Link(bandwidth=bandwidth, latency=latency, efficiency=efficiency)
+    k_suggested, k_why = suggest_averaging_period(params, workers, link, compute, optimizer_state_factor)
+    period = averaging_period or k_suggested or MAX_AVERAGING_PERIOD
+    costs = cm.scheme_costs(params, workers, link, compute, density=density, powersgd_rank=powersgd_rank,
+                            shapes=shapes, averaging_period=period, optimizer_state_factor=optimizer_state_factor,
+                            overlap=overlap, encode_per_element=encode_per_element)
+    schemes = []
+    for c in costs:
+        d = c.as_dict()
+        d["speedup"] = cm.speedup(c, workers)
+        schemes.append(d)
+    by_name = {s["name"]: s for s in schemes}
+    band, band_why = dl4j_band(compute)
+    best = min((by_name[n] for n in CHOICES), key=lambda s: s["step_time"])
+    reasons = [band_why]
+    if workers < 2:
+        choice = "single"
+        reasons.append("one worker: nothing to exchange")
+    elif band == "not-worth-distributing":
+        choice = "single"
+        reasons.append("per-step overheads (launch, synchronisation, stragglers) outweigh so little compute: "
+                       "train on one machine (ParallelWrapper on its devices)")
+    elif best["speedup"] < MIN_SPEEDUP:
+        choice = "single"
+        reasons.append(f"best scheme ({best['name']}) gives {best['speedup']:.2f}x the throughput of one worker "
+                       f"(< {MIN_SPEEDUP}x): train on one machine (ParallelWrapper on its devices)")
+    elif by_name["allreduce"]["step_time"] <= ALLREDUCE_TOLERANCE * best["step_time"]:
+        choice = "allreduce"
+        reasons.append(f"dense allreduce is within {ALLREDUCE_TOLERANCE - 1:.0%} of the fastest scheme "
+                       f"({best['name']}): compression would buy little and costs accuracy risk")
+    else:
+        choice = best["name"]
+        ar = by_name["allreduce"]
+        reasons.append(f"{choice} is fastest: {best['step_time'] * 1e3:.4g} ms per step against "
+                       f"{ar['step_time'] * 1e3:.4g} ms for dense allreduce "
+                       f"({ar['step_time'] / best['step_time']:.3g}x), {best['bytes_per_step']:.4g} bytes per step")
+        if choice == "powersgd" and shapes is None:
+            reasons.append("PowerSGD bytes are a square-matrix estimate without --model; real models move more")
+    if choice in ("sharing", "averaging", "powersgd", "fp16"):
+        reasons.append("compressed/averaged updates converge differently per step: confirm accuracy on a short run")
+    return {
+        "params": params, "workers": workers, "bandwidth_bps": bandwidth, "latency_s": latency,
+        "efficiency": efficiency, "compute_s": compute, "density": density,
+        "dl4j_band": band, "recommendation": choice, "reasons": reasons,
+        "schemes": schemes,
+        "threshold": suggest_threshold(params, workers, link, compute, density),
+        "averaging": {"period": k_suggested, "why": k_why, "modelled_period": period},
+        "sparse_allgather_crossover_workers": cm.sharing_crossover_workers(density),
+    }
+
+
+def format_plan(plan: dict) -> str:
+    lines = [f"gradshare plan: {plan['params']:,} parameters, {plan['workers']} workers, "
+             f"{plan['bandwidth_bps'] / 1e6:g} Mbit/s, compute {plan['compute_s'] * 1e3:.4g} ms per step",
+             "",
+             f"{'scheme':<10} {'bytes/step':>12} {'comm ms':>9} {'encode ms':>9} {'step ms':>9} {'speedup':>8}  note"]
+    for s in plan["schemes"]:
+        lines.append(f"{s['name']:<10} {s['bytes_per_step']:>12,.0f} {s['communicate'] * 1e3:>9.3f} "
+                     f"{s['encode'] * 1e3:>9.3f} {s['step_time'] * 1e3:>9.3f} {s['speedup']:>7.2f}x  {s['note']}")
+    lines += ["", f"DL4J rule: {plan['dl4j_band']}", f"use: {plan['recommendation']}"]
+    lines += [f"  - {r}" for r in plan["reasons"]]
+    th = plan["threshold"]
+    lines.append(f"threshold (gradshare sharing): {th['algorithm']} -- {th['why']}")
+    lines.append(f"averaging period: {plan['averaging']['period']} -- {plan['averaging']['why']}")
+    lines.append(f"sparse all-gather beats the dense allreduce only below N = 2/d = "
+                 f"{plan['sparse_allgather_crossover_workers']:g} workers; above it gradshare sends dense")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    shapes = None
+    if args.model:
+        model = load_model(args.model, json.loads(args.model_kwargs))
+        shapes = model_shapes(model)
+        params = sum(math.prod(s) for s in shapes)
+    else:
+        params = args.params
+    if args.measure:
+        if not args.model or not args.input_shape:
+            raise SystemExit("gradshare plan: --measure needs --model and --input-shape")
+        shape = [int(x) for x in args.input_shape.split(",") if x]
+        compute = measure_step_time(model, shape, args.batch_size, args.measure_steps, threads=args.threads)
+    elif args.step_time is not None:
+        compute = args.step_time / 1e3
+    else:
+        raise SystemExit("gradshare plan: give --step-time MS or --measure")
+    plan = make_plan(params, args.workers, cm.parse_bandwidth(args.bandwidth), compute,
+                     latency=args.latency_ms / 1e3, efficiency=args.efficiency, density=args.density,
+                     powersgd_rank=args.powersgd_rank, shapes=shapes, averaging_period=args.averaging_period,
+                     optimizer_state_factor=args.optimizer_state, overlap=args.overlap,
+                     encode_per_element=args.encode_ns * 1e-9)
+    plan["measured"] = bool(args.measure)
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    return 0

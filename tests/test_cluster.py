@@ -1,0 +1,130 @@
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import cluster_job
+from gradshare import checkpoint, cluster
+from gradshare.workers import run_local
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+JOB = os.path.join(HERE, "cluster_job.py")
+MNIST = os.path.join(HERE, "..", "..", "shared", "data", "mnist")
+DATA = "mnist:" + MNIST if os.path.exists(os.path.join(MNIST, "t10k-labels-idx1-ubyte.gz")) else "synthetic"
+# 2048 rows, global batch 32: 64 steps an epoch. The run crosses an epoch; the kill (step 75) is mid-epoch.
+FAULT_CONFIG = {"data": DATA, "steps": 100, "batch": 16, "lr": 0.05, "seed": 1}
+
+needs_torchrun = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+
+
+def _torchrun(tmp_path, config, *, max_restarts, checkpoint_every=10, timeout=120, extra=()):
+    result = tmp_path / "result.json"
+    cmd = ["torchrun", "--standalone", "--nproc_per_node=2", f"--max-restarts={max_restarts}",
+           "-m", "gradshare.cluster", f"{JOB}:train", "--config", json.dumps(config),
+           "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", str(checkpoint_every),
+           "--result", str(result), *extra]
+    proc = run_bounded(cmd, timeout, cwd=HERE)
+    out = json.loads(result.read_text()) if proc.returncode == 0 else None
+    return proc, out
+
+
+def run_bounded(cmd, timeout, **kwargs):
+    """subprocess.run in a session of its own; on timeout the whole process group is killed (no orphans)."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                          **kwargs) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+            pytest.fail(f"{cmd[0]} did not finish within {timeout} s (a hang):\n{err[-4000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The uninterrupted run (2 local workers, no checkpoints)."""
+    return run_local(cluster.run, 2, (cluster_job.train, FAULT_CONFIG), timeout=120, collective_timeout=60)[0]
+
+
+def test_load_function_accepts_modules_and_files():
+    assert cluster.load_function("gradshare.checkpoint:latest") is checkpoint.latest
+    assert cluster.load_function(f"{JOB}:train").__name__ == "train"
+    with pytest.raises(ValueError, match="MODULE:FUNCTION"):
+        cluster.load_function("no_colon")
+
+
+def test_should_save_every_n_steps_but_not_the_resumed_one():
+    resumed = checkpoint.Checkpoint(path="x", step=20, world_size=1, state={})
+    ctx = cluster.Context(rank=0, world_size=1, local_rank=0, restart_count=1, checkpoint_dir="d",
+                          checkpoint_every=10, keep_last=3, resumed=resumed)
+    assert [s for s in range(0, 41) if ctx.should_save(s)] == [10, 30, 40]
+    assert ctx.start_step == 20
+    ctx.checkpoint_dir = None
+    assert not any(ctx.should_save(s) for s in range(41))
+
+
+def test_without_a_launcher_runs_as_a_world_of_one(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "gradshare.cluster", f"{JOB}:train", "--config", json.dumps({"steps": 12}),
+           "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "5", "--result",
+           str(tmp_path / "r.json")]
+    proc = run_bounded(cmd, 60, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads((tmp_path / "r.json").read_text())
+    assert out["world_size"] == 1 and out["stats"]["steps"] == 12
+    assert checkpoint.load_latest(str(tmp_path / "ckpt")).step == 10
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly(tmp_path, reference):
+    """30 steps, stop, then a new run to 100 from the step-30 checkpoint equals the uninterrupted run."""
+    run = functools.partial(cluster.run, checkpoint_dir=str(tmp_path), checkpoint_every=10)
+    first = run_local(run, 2, (cluster_job.train, dict(FAULT_CONFIG, steps=30)), timeout=120)[0]
+    assert first["resumed_from"] is None
+    second = run_local(run, 2, (cluster_job.train, FAULT_CONFIG), timeout=120)[0]
+    assert second["resumed_from"] == 30
+    assert second["params"] == reference["params"]
+    assert second["stats"] == reference["stats"]
+
+
+@pytest.mark.slow
+@needs_torchrun
+def test_torchrun_restart_after_sigkill_resumes_from_checkpoint(tmp_path, reference):
+    log = tmp_path / "attempts.log"
+    config = dict(FAULT_CONFIG, kill_at_step=75, kill_rank=1, attempt_log=str(log))
+    proc, out = _torchrun(tmp_path, config, max_restarts=2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "exitcode  : -9" in proc.stderr or "exitcode: -9" in proc.stderr  # the worker really was SIGKILLed
+    assert out["restart_count"] == 1 and out["resumed_from"] == 70
+    # Steps 70..74 ran twice (before the kill and after the restart) but are counted once.
+    lines = log.read_text().split()
+    assert "step=74" in lines and lines.count("step=74") == 4  # 2 ranks x 2 attempts
+    assert out["stats"]["steps_seen"] == list(range(100))
+    assert out["stats"]["steps"] == 100 and out["stats"]["samples"] == 100 * 32
+    assert out["params"] == reference["params"]  # bitwise: model, momentum, dropout RNG and data order restored
+    assert abs(out["accuracy"] - reference["accuracy"]) <= 0.005
+    kept = [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path / "ckpt"))]
+    assert kept == ["ckpt-000000080.pt", "ckpt-000000090.pt", "ckpt-000000100.pt"]
+
+
+@pytest.mark.slow
+@needs_torchrun
+def test_torchrun_dead_peer_without_restarts_fails_fast(tmp_path):
+    proc, _ = _torchrun(tmp_path, dict(FAULT_CONFIG, steps=40, kill_at_step=5), max_restarts=0, timeout=90)
+    assert proc.returncode != 0
+    assert "Connection closed by peer" in proc.stderr or "Connection reset by peer" in proc.stderr
+
+
+@pytest.mark.slow
+@needs_torchrun
+def test_torchrun_stuck_peer_ends_with_a_timeout_not_a_hang(tmp_path):
+    proc, _ = _torchrun(tmp_path, dict(FAULT_CONFIG, steps=40, hang_at_step=5), max_restarts=0, timeout=90,
+                        extra=("--collective-timeout", "10"))
+    assert proc.returncode != 0
+    assert "timed out" in proc.stderr.lower() or "timeout" in proc.stderr.lower(), proc.stderr[-3000:]

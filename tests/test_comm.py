@@ -1,0 +1,165 @@
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from gradshare import ops
+from gradshare.comm import (NonFiniteStepError, dense_allreduce_bytes, exchange, exchange_async, gather_bytes,
+                            prefers_dense)
+from gradshare.message import HEADER_WORDS
+from gradshare.workers import run_local
+
+
+def _data(rank, n, scale):
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(n, generator=g) * scale, torch.randn(n, generator=g) * scale * 0.1
+
+
+def _np(t):
+    return t.detach().cpu().numpy().copy()
+
+
+def _exchange_vs_reference(n, tau):
+    warnings.simplefilter("ignore")
+    r = dist.get_rank()
+    # Rank r has a different spread, so messages differ in length and rows are padded.
+    upd, res = _data(r, n, 0.01 * (r + 1))
+    mine_res = res.clone()
+    msg = ops.encode(upd, mine_res, tau)                    # what this rank should send
+    res_sync, res_async = res.clone(), res.clone()
+    a = exchange(upd.clone(), res_sync, tau)
+    b = exchange_async(upd.clone(), res_async, tau).wait()
+    return {"msg": _np(msg), "out": _np(a.out), "out_async": _np(b.out), "words": a.words, "format": a.format,
+            "residual_ok": torch.equal(res_sync, mine_res) and torch.equal(res_async, mine_res),
+            "bytes": a.bytes_sent, "dense": a.dense_bytes}
+
+
+@pytest.mark.slow
+def test_exchange_equals_reference_sum_of_decoded_messages_4_ranks():
+    res = run_local(_exchange_vs_reference, 4, (3000, 0.02), timeout=120)
+    _check_reference(res, 3000, 4)
+
+
+def _check_reference(res, n, world):
+    ref = torch.zeros(n)
+    ops.decode(ref, [torch.from_numpy(r["msg"]) for r in res], scale=1.0 / world)
+    for r in res:
+        assert np.array_equal(r["out"], ref.numpy())
+        assert np.array_equal(r["out_async"], ref.numpy())
+        assert r["residual_ok"]
+        assert r["words"] == [len(x["msg"]) for x in res]
+    words = res[0]["words"]
+    assert len(set(words)) > 1                                   # padding was exercised
+    assert res[0]["bytes"] == gather_bytes(max(words), world)
+    assert res[0]["dense"] == dense_allreduce_bytes(n, world)
+
+
+def _pipelined(n, k):
+    warnings.simplefilter("ignore")
+    r = dist.get_rank()
+    bufs = [_data(r * 10 + i, n + 37 * i, 0.01) for i in range(k)]
+    futs = [exchange_async(u.clone(), res.clone(), 0.01, nonfinite="raise") for u, res in bufs]
+    outs = [_np(f.wait().out) for f in futs]
+    seq = [_np(exchange(u.clone(), res.clone(), 0.01).out) for u, res in bufs]
+    return outs, seq
+
+
+def _reference_and_pipelined(n, tau):
+    return _exchange_vs_reference(n, tau), _pipelined(2000, 4)
+
+
+@pytest.mark.slow
+def test_pipelined_async_exchanges_match_sequential_ones_and_reference():
+    by_rank = run_local(_reference_and_pipelined, 2, (3000, 0.02), timeout=120)
+    _check_reference([x[0] for x in by_rank], 3000, 2)
+    res = [x[1] for x in by_rank]
+    for outs, seq in res:
+        for a, b in zip(outs, seq):
+            assert np.array_equal(a, b)
+    for a, b in zip(res[0][0], res[1][0]):
+        assert np.array_equal(a, b)
+
+
+def _fallbacks(cases):
+    return [_fallback(n, mode) for n, mode in cases]
+
+
+def _fallback(n, mode):
+    r = dist.get_rank()
+    upd, res = _data(r, n, 0.01)
+    total = (upd + res).clone()
+    out = exchange(upd.clone(), res, 0.005, fallback=mode, clip=None)
+    return {"format": out.format, "out": _np(out.out), "residual_zero": bool((res == 0).all()),
+            "total": _np(total), "bytes": out.bytes_sent, "dense": out.dense_bytes}
+
+
+@pytest.mark.slow
+def test_dense_fallback_sends_residual_plus_update_and_zeroes_residual():
+    cases = [(4, "auto"), (1000, "always")]            # auto: a 4-element buffer loses to its headers
+    by_rank = run_local(_fallbacks, 2, (cases,), timeout=120)
+    for i in range(len(cases)):
+        res = [by_rank[0][i], by_rank[1][i]]
+        mean = (res[0]["total"] + res[1]["total"]) / 2
+        for r in res:
+            assert r["format"] == "dense"
+            assert r["residual_zero"]
+            np.testing.assert_allclose(r["out"], mean, rtol=1e-5, atol=1e-7)
+            assert r["bytes"] >= r["dense"]
+        assert np.array_equal(res[0]["out"], res[1]["out"])
+
+
+def test_break_even_rule():
+    # Padded gather moves (W-1)*L words, a ring allreduce 2(W-1)/W*n: dense once W*L > 2n.
+    assert not prefers_dense(HEADER_WORDS + 100, 1000, 2)
+    assert prefers_dense(1001, 1000, 2)
+    assert not prefers_dense(1000, 1000, 2)
+    assert prefers_dense(HEADER_WORDS + 1, 8, 4)             # tiny buffers lose to their headers
+    n = 16 * 10**6                                           # a bitmap row (n/16 + 5 words) loses from W = 32
+    assert not prefers_dense(HEADER_WORDS + n // 16, n, 31) and prefers_dense(HEADER_WORDS + n // 16, n, 32)
+    assert not prefers_dense(10**6, 10, 1)
+
+
+def _nonfinite_both():
+    warnings.simplefilter("ignore")
+    return _nonfinite("raise", 1), _nonfinite("skip", 0)
+
+
+def _nonfinite(policy, bad_rank):
+    r = dist.get_rank()
+    n = 500
+    upd, res = _data(r, n, 0.01)
+    if r == bad_rank:
+        upd[123] = float("nan")
+    before = res.clone()
+    backup = torch.empty_like(res)
+    out = {}
+    try:
+        e = exchange(upd, res, 0.01, backup=backup, nonfinite=policy, step=7, name="bucket 0")
+        out["skipped"] = e.skipped
+        out["nonfinite_ranks"] = e.nonfinite_ranks
+        out["out_zero"] = bool((e.out == 0).all())
+    except NonFiniteStepError as err:
+        out["error"] = str(err)
+        out["ranks"] = err.ranks
+    out["residual_unchanged"] = torch.equal(res, before)
+    # The group still works afterwards (nobody hangs or is left mid-collective).
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    out["after"] = float(t)
+    return out
+
+
+@pytest.mark.slow
+def test_nonfinite_raise_stops_every_rank_and_skip_drops_the_step():
+    by_rank = run_local(_nonfinite_both, 2, timeout=120, collective_timeout=30)
+    for r in (x[0] for x in by_rank):            # raise: every rank errors, naming step and rank
+        assert "skipped" not in r
+        assert r["ranks"] == [1]
+        assert "step 7" in r["error"] and "rank 1" in r["error"] and "element 123" in r["error"]
+        assert r["after"] == 2.0
+    for r in (x[1] for x in by_rank):            # skip: dropped everywhere, residual untouched
+        assert r["skipped"] and r["nonfinite_ranks"] == [0]
+        assert r["residual_unchanged"] and r["out_zero"]
+        assert r["after"] == 2.0

@@ -1,0 +1,451 @@
+"""The CUDA kernels against the CPU kernels, bit for bit, through gradshare.ops with CUDA tensors:
+encode (every format, dtype, clipping, density and size around the kernels' tile and word boundaries),
+count, decode (one and several messages, both formats, scales), averaging (mean, weighted, in place),
+non-finite handling, malformed-message rejection (same error text as the CPU, dst untouched) and
+launching on the caller's current stream. Runs only where a GPU and a CUDA build of gradshare exist."""
+import numpy as np
+import pytest
+import torch
+
+import gradshare
+from gradshare import message as msgfmt
+from gradshare import ops
+from gradshare.message import BITMAP, HEADER_WORDS, MAGIC_VERSION, NONFINITE, SPARSE
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and gradshare.build_info()["cuda"]),
+                       reason="needs a CUDA device and gradshare built with its CUDA kernels"),
+]
+
+TILE = 256 * 16  # csrc/cuda/encode.cu: kThreads * kItems elements per block of the count/sparse passes
+SIZES = [0, 1, 2, 15, 16, 17, 31, 32, 33, 255, 256, 257, 1000, TILE - 1, TILE, TILE + 1, 2 * TILE + 17,
+         2**15 + 3, 2**16 + 17]
+BIG = 2**20 + 7
+FORMATS = ["auto", "sparse", "bitmap"]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DEV = "cuda"
+
+
+def gpu(t: torch.Tensor) -> torch.Tensor:
+    """A copy on the GPU (never an alias of the CPU tensor it came from)."""
+    return t.to(DEV, copy=True)
+
+
+def assert_bits_equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Same dtype, shape and bit pattern (tells -0.0 from 0.0, compares NaNs)."""
+    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    if a.dtype == torch.float32:
+        a, b = a.view(torch.int32), b.view(torch.int32)
+    diff = (a != b).nonzero()
+    assert diff.numel() == 0, f"{diff.numel()} elements differ, first at {diff[0].tolist()}"
+
+
+def make_state(n, density, dtype=torch.float32, seed=0, tau=1.0):
+    """(update, residual) on the CPU where roughly `density` of residual + update reaches tau."""
+    g = torch.Generator().manual_seed(seed)
+    residual = (torch.rand(n, generator=g) * 2 - 1) * (0.9 * tau)
+    update = torch.randn(n, generator=g) * (0.01 * tau)
+    hot = torch.rand(n, generator=g) < density
+    update[hot] += torch.where(torch.rand(int(hot.sum()), generator=g) < 0.5, -2.5, 2.5) * tau
+    return update.to(dtype), residual
+
+
+def encode_both(update, residual, tau, clip=None, fmt="auto", on_nonfinite="raise"):
+    """Encodes the same state on the CPU and on the GPU; asserts message and residual agree bit for bit."""
+    r_cpu, r_gpu = residual.clone(), gpu(residual)
+    m_cpu = ops.encode(update, r_cpu, tau, clip=clip, format=fmt, on_nonfinite=on_nonfinite)
+    m_gpu = ops.encode(gpu(update), r_gpu, tau, clip=clip, format=fmt, on_nonfinite=on_nonfinite)
+    assert m_gpu.device.type == r_gpu.device.type == DEV
+    assert_bits_equal(m_gpu, m_cpu)
+    assert_bits_equal(r_gpu, r_cpu)
+    return m_cpu, r_cpu
+
+
+# ---------------------------------------------------------------------------------------------------
+# encode / count
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("density", [0.0, 0.001, 0.05, 0.5, 1.0])
+def test_encode_matches_cpu_sizes(n, fmt, density):
+    update, residual = make_state(n, density, seed=n + 1)
+    msg, _ = encode_both(update, residual, 1.0, fmt=fmt)
+    info = msgfmt.parse_header(msg)
+    assert info.n == n and msg.numel() == info.words
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tau", [1e-3, 0.37, 1.0, 300.0])
+@pytest.mark.parametrize("clip", [None, 0.5, 3.0])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_encode_matches_cpu_dtypes_taus_clip(dtype, tau, clip, fmt):
+    update, residual = make_state(3 * TILE + 77, 0.03, dtype=dtype, seed=7, tau=tau)
+    encode_both(update, residual, tau, clip=clip, fmt=fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_encode_matches_cpu_large(fmt, dtype):
+    update, residual = make_state(BIG, 0.002, dtype=dtype, seed=3)
+    encode_both(update, residual, 1.0, clip=4.0, fmt=fmt)
+
+
+def test_encode_repeated_steps_stay_identical():
+    """Residuals carried over several steps (the training loop) stay bit-identical."""
+    n = 5 * TILE + 3
+    r_cpu, r_gpu = torch.zeros(n), torch.zeros(n, device=DEV)
+    for step in range(6):
+        update, _ = make_state(n, 0.01, seed=100 + step, tau=0.1)
+        m_cpu = ops.encode(update, r_cpu, 0.1, clip=5.0)
+        m_gpu = ops.encode(gpu(update), r_gpu, 0.1, clip=5.0)
+        assert_bits_equal(m_gpu, m_cpu)
+        assert_bits_equal(r_gpu, r_cpu)
+
+
+def test_encode_exact_threshold_signed_zero_and_subnormals():
+    tau = 0.5
+    residual = torch.tensor([0.25, -0.25, 0.0, -0.0, 0.5, -0.5, 1e-45, -1e-45, 0.0, 0.0, 1.0, -1.0, 0.0, 0.0, 0.0,
+                             0.0, 0.0])
+    update = torch.tensor([0.25, -0.25, 0.5, -0.5, 0.0, -0.0, 0.0, 0.0, 1e-40, -1e-40, -0.5, 0.5, 0.4999999,
+                           -0.4999999, 0.5000001, -0.5000001, -0.0])
+    for fmt in FORMATS:
+        encode_both(update, residual, tau, fmt=fmt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_encode_converts_every_half_value_like_the_cpu(dtype):
+    """All 65536 bit patterns (NaN/Inf excluded): the device half/bf16 -> float conversion is the CPU's."""
+    pattern = torch.arange(-32768, 32768, dtype=torch.int16).view(dtype)
+    update = pattern[torch.isfinite(pattern.float())].contiguous()
+    residual = torch.zeros(update.numel())
+    for tau in (1e-7, 1.0):
+        encode_both(update, residual, tau, fmt="sparse")
+        encode_both(update, residual, tau, fmt="bitmap")
+
+
+@pytest.mark.parametrize("n", [0, 1, 17, TILE + 1, 2**16 + 17])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_count_matches_cpu(n, dtype):
+    for density in (0.0, 0.01, 0.3):
+        update, residual = make_state(n, density, dtype=dtype, seed=n + 5)
+        c_cpu = ops.count(update, residual, 1.0)
+        c_gpu = ops.count(gpu(update), gpu(residual), 1.0)
+        assert c_gpu == c_cpu
+
+
+@pytest.mark.parametrize("n", [1, 100, TILE + 5, 2**16 + 17])
+@pytest.mark.parametrize("where", ["first", "middle", "last", "two"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_reports_the_first_index_and_writes_nothing(n, where, value):
+    update, residual = make_state(n, 0.05, seed=11)
+    idx = {"first": [0], "middle": [n // 2], "last": [n - 1], "two": [n - 1, n // 3]}[where]
+    for i in idx:
+        update[i] = value
+    first = min(idx)
+    with pytest.raises(gradshare.NonFiniteError) as cpu_err:
+        ops.count(update, residual, 1.0)
+    with pytest.raises(gradshare.NonFiniteError) as gpu_err:
+        ops.count(gpu(update), gpu(residual), 1.0)
+    assert gpu_err.value.index == cpu_err.value.index == first
+    for fmt in FORMATS:
+        r_gpu = gpu(residual)
+        with pytest.raises(gradshare.NonFiniteError) as e:
+            ops.encode(gpu(update), r_gpu, 1.0, format=fmt)
+        assert e.value.index == first
+        assert_bits_equal(r_gpu, residual)
+        marker, _ = encode_both(update, residual, 1.0, fmt=fmt, on_nonfinite="flag")
+        assert int(marker[1]) == NONFINITE and int(marker[3]) == first
+
+
+def test_encode_overflowing_sum_is_nonfinite():
+    """Finite residual + finite bf16 update that overflows to inf is flagged at the same index."""
+    update = torch.tensor([1.0, 3.3e38, 3.3e38], dtype=torch.bfloat16)
+    residual = torch.tensor([0.0, 3.4e38, -3.4e38])
+    marker, _ = encode_both(update, residual, 1.0, on_nonfinite="flag")
+    assert int(marker[1]) == NONFINITE and int(marker[3]) == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# decode
+# ---------------------------------------------------------------------------------------------------
+
+def random_messages(n, k, seed, fmts=("sparse", "bitmap"), density=0.02):
+    msgs = []
+    for j in range(k):
+        update, residual = make_state(n, density * (j + 1), seed=seed + j, tau=0.25 * (j + 1))
+        msgs.append(ops.encode(update, residual, 0.25 * (j + 1), format=fmts[j % len(fmts)]))
+    return msgs
+
+
+def decode_both(n, messages, scale, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    d_cpu = torch.randn(n, generator=g)
+    d_gpu = gpu(d_cpu)
+    ops.decode(d_cpu, messages, scale=scale)
+    on_gpu = ([gpu(m) for m in messages] if isinstance(messages, (list, tuple)) else gpu(messages))
+    ops.decode(d_gpu, on_gpu, scale=scale)
+    assert_bits_equal(d_gpu, d_cpu)
+    return d_cpu
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 255, 257, 1000, TILE + 3, 2**16 + 17, BIG])
+@pytest.mark.parametrize("scale", [1.0, -0.5, 1.0 / 3.0])
+def test_decode_matches_cpu(n, scale):
+    msgs = random_messages(n, 4, seed=n)
+    decode_both(n, msgs, scale)
+    decode_both(n, msgs[0], scale)  # a single 1-D message
+
+
+def test_decode_padded_rows_and_auto_formats():
+    n = 3 * TILE + 5
+    msgs = random_messages(n, 6, seed=21, fmts=("auto",), density=0.05)
+    assert {int(m[1]) for m in msgs} == {SPARSE, BITMAP}
+    width = max(m.numel() for m in msgs) + 7
+    rows = torch.zeros(len(msgs), width, dtype=torch.int32)
+    for i, m in enumerate(msgs):
+        rows[i, :m.numel()] = m
+        rows[i, m.numel():] = 12345  # words past a message's end are ignored
+    decode_both(n, rows, 0.75)
+
+
+def test_decode_same_element_from_many_messages_in_order():
+    """Several messages hitting the same elements are applied in message order (float rounding order)."""
+    n = 64
+    msgs = []
+    for j in range(9):
+        tau = [1e-8, 1.0, 3e-8, 1e7, 7e-9][j % 5]
+        msgs.append(torch.tensor(msgfmt.header(SPARSE, n, 3, tau) + [1, -2, 64], dtype=torch.int32))
+    decode_both(n, msgs, 1.0)
+
+
+def test_decode_gpu_encoded_messages_roundtrip():
+    n = 2 * TILE + 9
+    update, residual = make_state(n, 0.02, seed=4)
+    before = gpu(residual + update.float())
+    for fmt in ("sparse", "bitmap"):
+        r = gpu(residual)
+        msg = ops.encode(gpu(update), r, 1.0, format=fmt)
+        decoded = torch.zeros(n, device=DEV)
+        ops.decode(decoded, msg)
+        # Each element moved by exactly 0 or +-tau: kept + decoded reproduces u (tau = 1 is exact here).
+        torch.testing.assert_close(r + decoded, before, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------
+# malformed messages: same error as the CPU, nothing written
+# ---------------------------------------------------------------------------------------------------
+
+N = 50
+
+
+def good_sparse():
+    return torch.tensor(msgfmt.header(SPARSE, N, 4, 0.5) + [1, -7, 20, -50], dtype=torch.int32)
+
+
+def good_bitmap():
+    words = [0] * msgfmt.bitmap_words(N)
+    words[0] = 0b11 | (0b10 << 16)  # +e0, -e1
+    words[3] = 0b10                 # e49
+    return torch.tensor(msgfmt.header(BITMAP, N, 3, 0.5) + words, dtype=torch.int32)
+
+
+def mutate(msg, word, value):
+    m = msg.clone()
+    m[word] = value
+    return m
+
+
+BAD = {
+    "short": lambda: good_sparse()[:3],
+    "magic": lambda: mutate(good_sparse(), 0, MAGIC_VERSION + 1),
+    "marker": lambda: msgfmt.nonfinite_marker(N, 0.5, 3),
+    "format": lambda: mutate(good_sparse(), 1, 7),
+    "n": lambda: mutate(good_sparse(), 2, N + 1),
+    "n_negative": lambda: mutate(good_sparse(), 2, -1),
+    "count_negative": lambda: mutate(good_sparse(), 3, -1),
+    "count_past_n": lambda: mutate(good_sparse(), 3, N + 1),
+    "count_past_row": lambda: mutate(good_sparse(), 3, 5),
+    "tau_zero": lambda: mutate(good_sparse(), 4, 0),
+    "tau_negative": lambda: mutate(good_sparse(), 4, msgfmt.float_bits(-0.5)),
+    "tau_nan": lambda: mutate(good_sparse(), 4, 0x7FC00000),
+    "tau_inf": lambda: mutate(good_sparse(), 4, 0x7F800000),
+    "entry_zero": lambda: mutate(good_sparse(), 5, 0),
+    "entry_past_n": lambda: mutate(good_sparse(), 8, N + 1),
+    "entry_negative_past_n": lambda: mutate(good_sparse(), 8, -(N + 1)),
+    "entry_int_min": lambda: mutate(good_sparse(), 6, -2**31),
+    "entry_int_max": lambda: mutate(good_sparse(), 8, 2**31 - 1),
+    "entry_repeated": lambda: mutate(good_sparse(), 7, -7),
+    "entry_descending": lambda: mutate(good_sparse(), 6, 30),
+    "bitmap_sign_without_present": lambda: mutate(good_bitmap(), HEADER_WORDS + 1, 1 << 20),
+    "bitmap_bit_past_n": lambda: mutate(good_bitmap(), HEADER_WORDS + 3, 0b110),
+    "bitmap_sign_past_n": lambda: mutate(good_bitmap(), HEADER_WORDS + 3, 0b10 | (1 << 30)),
+    "bitmap_count_low": lambda: mutate(good_bitmap(), 3, 2),
+    "bitmap_count_high": lambda: mutate(good_bitmap(), 3, 4),
+    "bitmap_short_row": lambda: good_bitmap()[:-1],
+}
+
+
+def cpu_error(messages) -> str:
+    dst = torch.zeros(N)
+    with pytest.raises(gradshare.MessageError) as e:
+        ops.decode(dst, messages)
+    assert torch.count_nonzero(dst) == 0
+    return str(e.value)
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+@pytest.mark.parametrize("position", [0, 2])
+def test_bad_message_rejected_like_cpu_and_dst_untouched(case, position):
+    msgs = [good_sparse(), good_bitmap(), good_sparse()]
+    msgs.insert(position, BAD[case]())
+    expected = cpu_error(msgs)
+    assert expected.startswith(f"message {position}:")
+    dst = torch.randn(N, device=DEV)
+    before = dst.clone()
+    with pytest.raises(gradshare.MessageError) as e:
+        ops.decode(dst, [gpu(m) for m in msgs])
+    assert str(e.value) == expected
+    assert_bits_equal(dst, before)
+
+
+def test_first_faulty_message_is_reported_whatever_its_fault():
+    """A payload fault in message 0 is reported before a header fault in message 1 (as on the CPU)."""
+    msgs = [BAD["entry_past_n"](), BAD["magic"]()]
+    expected = cpu_error(msgs)
+    assert expected.startswith("message 0:")
+    dst = torch.zeros(N, device=DEV)
+    with pytest.raises(gradshare.MessageError) as e:
+        ops.decode(dst, [gpu(m) for m in msgs])
+    assert str(e.value) == expected
+
+
+def test_random_mutations_never_write_out_of_bounds():
+    """Mutated messages decode exactly as on the CPU or raise the same error; dst's guard words stay."""
+    g = np.random.default_rng(5)
+    base = [good_sparse(), good_bitmap()]
+    guard = 64
+    for trial in range(400):
+        msg = base[trial % 2].clone()
+        for _ in range(int(g.integers(1, 4))):
+            w = int(g.integers(0, msg.numel()))
+            msg[w] = int(g.choice([0, 1, -1, N, N + 1, -(N + 1), 2**31 - 1, -2**31, int(g.integers(-2**31, 2**31))]))
+        d_cpu = torch.zeros(N)
+        padded = torch.full((N + 2 * guard,), 7.0, device=DEV)
+        d_gpu = padded[guard:guard + N]
+        try:
+            ops.decode(d_cpu, msg)
+        except gradshare.MessageError as e:
+            with pytest.raises(gradshare.MessageError) as ge:
+                ops.decode(d_gpu, gpu(msg))
+            assert str(ge.value) == str(e)
+            assert bool((d_gpu == 7.0).all())
+        else:
+            d_gpu.zero_()
+            ops.decode(d_gpu, gpu(msg))
+            assert_bits_equal(d_gpu, d_cpu)
+        assert bool((padded[:guard] == 7.0).all()) and bool((padded[guard + N:] == 7.0).all())
+
+
+# ---------------------------------------------------------------------------------------------------
+# average
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [0, 1, 255, 257, TILE + 3, BIG])
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 128])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_average_matches_cpu(n, k, weighted):
+    if n == BIG and k == 128:
+        n = 2**16 + 1  # keep memory modest
+    g = torch.Generator().manual_seed(n * 131 + k)
+    bufs = [torch.randn(n, generator=g) * (j + 1) for j in range(k)]
+    weights = (torch.rand(k, generator=g) * 2 - 0.5).tolist() if weighted else None
+    out_cpu = ops.average(bufs, weights=weights)
+    out_gpu = ops.average([gpu(b) for b in bufs], weights=weights)
+    assert out_gpu.device.type == DEV
+    assert_bits_equal(out_gpu, out_cpu)
+
+
+@pytest.mark.parametrize("alias", [0, 2])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_average_in_place_matches_cpu(alias, weighted):
+    n, k = 2 * TILE + 1, 3
+    g = torch.Generator().manual_seed(alias)
+    bufs = [torch.randn(n, generator=g) for _ in range(k)]
+    weights = [0.2, 0.3, 0.5] if weighted else None
+    expected = ops.average(bufs, weights=weights)
+    on_gpu = [gpu(b) for b in bufs]
+    ops.average(on_gpu, weights=weights, out=on_gpu[alias])
+    assert_bits_equal(on_gpu[alias], expected)
+
+
+def test_average_too_many_buffers_on_gpu_raises():
+    bufs = [torch.ones(4, device=DEV) for _ in range(129)]
+    with pytest.raises(ValueError, match="at most 128"):
+        ops.average(bufs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# streams
+# ---------------------------------------------------------------------------------------------------
+
+def test_ops_run_on_the_current_stream():
+    """Inputs written on a side stream behind a long device sleep are seen by every op issued on that
+    stream: the kernels are ordered after them (a launch on another stream would read stale data)."""
+    if not hasattr(torch.cuda, "_sleep"):
+        pytest.skip("torch.cuda._sleep not available")
+    n = 2 * TILE + 7
+    update, residual = make_state(n, 0.05, seed=9)
+    m_cpu_res = residual.clone()
+    m_cpu = ops.encode(update, m_cpu_res, 1.0)
+    bufs = [torch.randn(n) for _ in range(3)]
+    avg_cpu = ops.average(bufs)
+    d_cpu = torch.zeros(n)
+    ops.decode(d_cpu, m_cpu)
+
+    side = torch.cuda.Stream()
+    src_u, src_r = gpu(update), gpu(residual)
+    src_b = [gpu(b) for b in bufs]
+    msg_dev = gpu(m_cpu)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        u = torch.zeros(n, device=DEV)
+        r = torch.zeros(n, device=DEV)
+        b = [torch.zeros(n, device=DEV) for _ in range(3)]
+        m = torch.zeros_like(msg_dev)
+        torch.cuda._sleep(200_000_000)  # keeps the side stream busy for a while
+        u.copy_(src_u)
+        r.copy_(src_r)
+        for x, y in zip(b, src_b):
+            x.copy_(y)
+        m.copy_(msg_dev)
+        avg = ops.average(b)
+        d = torch.zeros(n, device=DEV)
+        ops.decode(d, m)
+        msg = ops.encode(u, r, 1.0)
+        c = ops.count(u, torch.zeros(n, device=DEV), 1.0)
+    side.synchronize()
+    assert_bits_equal(avg, avg_cpu)
+    assert_bits_equal(d, d_cpu)
+    assert_bits_equal(msg, m_cpu)
+    assert_bits_equal(r, m_cpu_res)
+    assert c == ops.count(update, torch.zeros(n), 1.0)
+
+
+def test_native_cuda_entry_points_refuse_unreachable_host_memory():
+    """A host pointer handed to a CUDA kernel raises instead of faulting the device. (On systems whose
+    GPU can address pageable host memory, HMM/ATS, the call is allowed and must compute correctly.)"""
+    from gradshare import _native
+    host = torch.arange(64, dtype=torch.float32)
+    dev = torch.zeros(64, device=DEV)
+    stream = torch.cuda.current_stream().cuda_stream
+    try:
+        _native._C.average(dev.data_ptr(), [host.data_ptr()], [], 64, True, stream)
+    except ValueError as e:
+        assert "not CUDA memory" in str(e)
+        assert torch.count_nonzero(dev) == 0
+    else:
+        torch.cuda.synchronize()
+        assert_bits_equal(dev, host)

@@ -1,0 +1,466 @@
+"""gradshare.ops against gradshare.reference, bit for bit, plus property, determinism, non-finite,
+custom-op (opcheck) and torch.compile tests."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gradshare
+from gradshare import message as msgfmt
+from gradshare import ops, reference
+from gradshare.message import BITMAP, NONFINITE, SPARSE
+
+CHUNK = 2**15  # csrc/cpu/parallel.h: kChunk; kParallelMin = 2 * kChunk
+SIZES = [0, 1, 2, 15, 16, 17, 31, 33, 1000, 1023, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK - 1, 2 * CHUNK,
+         2 * CHUNK + 1, 3 * CHUNK + 17]
+BIG = 2**20 + 7
+FORMATS = ["auto", "sparse", "bitmap"]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """float32 -> its int32 bit pattern (tells -0.0 from 0.0 and compares NaNs)."""
+    return t.contiguous().view(torch.int32)
+
+
+def assert_bits_equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    if a.dtype == torch.float32:
+        a, b = bits(a), bits(b)
+    diff = (a != b).nonzero()
+    assert diff.numel() == 0, f"{diff.numel()} elements differ, first at {diff[0].tolist()}"
+
+
+def make_state(n, density, dtype=torch.float32, seed=0, tau=1.0):
+    """(update, residual) where roughly `density` of residual + update reaches tau."""
+    g = torch.Generator().manual_seed(seed)
+    residual = (torch.rand(n, generator=g) * 2 - 1) * (0.9 * tau)
+    update = torch.randn(n, generator=g) * (0.01 * tau)
+    hot = torch.rand(n, generator=g) < density
+    update[hot] += torch.where(torch.rand(int(hot.sum()), generator=g) < 0.5, -2.5, 2.5) * tau
+    return update.to(dtype), residual
+
+
+@pytest.fixture
+def threads():
+    before = gradshare.get_num_threads()
+    yield gradshare.set_num_threads
+    gradshare.set_num_threads(before)
+
+
+def check_encode(update, residual, tau, clip=None, fmt="auto"):
+    r_nat, r_ref = residual.clone(), residual.clone()
+    m_nat = ops.encode(update, r_nat, tau, clip=clip, format=fmt)
+    m_ref = reference.encode(update, r_ref, tau, clip, fmt)
+    assert m_nat.dtype == torch.int32 and m_nat.dim() == 1
+    assert_bits_equal(m_nat, m_ref)
+    assert_bits_equal(r_nat, r_ref)
+    return m_nat, r_nat
+
+
+# ---------------------------------------------------------------------------------------------------
+# encode / count / decode / average against the reference
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("density", [0.001, 0.05, 0.5])
+def test_encode_matches_reference_sizes(n, fmt, density):
+    update, residual = make_state(n, density, seed=n)
+    msg, _ = check_encode(update, residual, 1.0, fmt=fmt)
+    info = msgfmt.parse_header(msg)
+    assert info.n == n and info.tau == 1.0
+    if fmt != "auto":
+        assert info.format == (SPARSE if fmt == "sparse" else BITMAP)
+    else:
+        assert info.format == (SPARSE if msgfmt.prefer_sparse(info.count, n) else BITMAP)
+    assert msg.numel() == info.words
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tau", [1e-40, 1e-3, 0.37, 1.0, 12.5])
+@pytest.mark.parametrize("clip", [None, 0.5, 1.0, 3.0])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_encode_matches_reference_dtypes_taus_clip(dtype, tau, clip, fmt):
+    n = 2 * CHUNK + 5
+    update, residual = make_state(n, 0.03, dtype=dtype, seed=7, tau=tau)
+    residual = residual * 3  # some kept values beyond the clip bound
+    check_encode(update, residual, tau, clip=clip, fmt=fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("clip", [None, 2.0])
+def test_encode_matches_reference_large(fmt, dtype, clip):
+    update, residual = make_state(BIG, 0.01, dtype=dtype, seed=3)
+    check_encode(update, residual, 1.0, clip=clip, fmt=fmt)
+
+
+def test_encode_exact_threshold_and_signed_zero():
+    tau = 0.5
+    residual = torch.tensor([0.25, -0.25, 0.0, -0.0, 0.5, -0.5, 0.25, -0.0, 1.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+                             0.0])
+    update = torch.tensor([0.25, -0.25, 0.5, -0.5, 0.0, -0.0, 0.2499999, -0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+                           0.0])
+    for fmt in FORMATS:
+        msg, r = check_encode(update, residual, tau, fmt=fmt)
+        assert msgfmt.parse_header(msg).count == 8
+    msg, r = check_encode(update, residual, tau, fmt="sparse")
+    assert msg[5:].tolist() == [1, -2, 3, -4, 5, -6, 9, -10]
+    assert bits(r)[7] == bits(torch.tensor(-0.0)) and r[8] == 0.5 and r[9] == -0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_encode_converts_every_half_value_exactly(dtype):
+    """Every finite fp16 / bf16 bit pattern (subnormals included) widens to float32 exactly as torch does."""
+    pattern = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    update = pattern[torch.isfinite(pattern)].contiguous()
+    residual = torch.zeros(update.numel())
+    tau = float(torch.finfo(torch.float32).max)  # nothing reaches it: the residual becomes the update
+    msg, r = check_encode(update, residual, tau)
+    assert_bits_equal(r, 0.0 + update.float())  # 0.0 + -0.0 is +0.0
+    assert_bits_equal(r[r != 0], update.float()[r != 0])
+    assert msgfmt.parse_header(msg).count == 0
+
+
+@pytest.mark.parametrize("n", SIZES + [BIG])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_count_matches_reference(n, dtype):
+    update, residual = make_state(n, 0.02, dtype=dtype, seed=n + 1)
+    before = residual.clone()
+    c = ops.count(update, residual, 1.0)
+    assert isinstance(c, int)
+    assert c == reference.count(update, residual, 1.0)[0]
+    assert_bits_equal(residual, before)  # read-only
+    m = ops.encode(update, residual.clone(), 1.0)
+    assert c == msgfmt.parse_header(m).count
+
+
+def _messages(n, k, seed):
+    msgs = []
+    for j in range(k):
+        update, residual = make_state(n, [0.002, 0.3, 0.04][j % 3], seed=seed + j, tau=0.25 * (j + 1))
+        msgs.append(ops.encode(update, residual, 0.25 * (j + 1), format=FORMATS[j % 3]))
+    return msgs
+
+
+@pytest.mark.parametrize("n", SIZES + [BIG])
+@pytest.mark.parametrize("scale", [1.0, 0.25, -1 / 3])
+def test_decode_matches_reference(n, scale):
+    msgs = _messages(n, 3, seed=n)
+    dst0 = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    for messages in (msgs[0], msgs, torch.stack([torch.nn.functional.pad(m, (0, max(x.numel() for x in msgs) -
+                                                                             m.numel())) for m in msgs])):
+        d_nat, d_ref = dst0.clone(), dst0.clone()
+        ops.decode(d_nat, messages, scale=scale)
+        reference.decode(d_ref, messages, scale)
+        assert_bits_equal(d_nat, d_ref)
+
+
+def test_decode_empty_message_list_is_a_no_op():
+    dst = torch.randn(10)
+    before = dst.clone()
+    ops.decode(dst, [])
+    assert_bits_equal(dst, before)
+
+
+def test_decode_padded_row_with_trailing_words():
+    update, residual = make_state(100, 0.05)
+    m = ops.encode(update, residual, 1.0, format="sparse")
+    row = torch.cat([m, torch.full((7,), 123456, dtype=torch.int32)])  # words past the message are ignored
+    a, b = torch.zeros(100), torch.zeros(100)
+    ops.decode(a, row)
+    ops.decode(b, m)
+    assert_bits_equal(a, b)
+    assert a.abs().sum() > 0
+
+
+@pytest.mark.parametrize("n", [0, 1, 17, 2047, 2048, 2049, 2 * CHUNK + 1, BIG])
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_average_matches_reference(n, k, weighted):
+    g = torch.Generator().manual_seed(n + k)
+    bufs = [torch.randn(n, generator=g) for _ in range(k)]
+    weights = [float(w) for w in torch.rand(k, generator=g) * 2 - 0.5] if weighted else None
+    out = ops.average(bufs, weights=weights)
+    assert_bits_equal(out, reference.average(bufs, weights))
+
+
+@pytest.mark.parametrize("alias", [0, 2])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_average_in_place(alias, weighted):
+    g = torch.Generator().manual_seed(alias)
+    bufs = [torch.randn(2 * CHUNK + 3, generator=g) for _ in range(3)]
+    weights = [0.2, 0.3, 0.5] if weighted else None
+    expected = reference.average(bufs, weights)
+    res = ops.average(bufs, weights=weights, out=bufs[alias])
+    assert res is bufs[alias]
+    assert_bits_equal(bufs[alias], expected)
+
+
+def test_average_into_given_out():
+    bufs = [torch.randn(1000) for _ in range(4)]
+    out = torch.full((1000,), float("nan"))
+    assert ops.average(bufs, out=out) is out
+    assert_bits_equal(out, reference.average(bufs))
+
+
+def test_shaped_tensors_are_flattened():
+    update, residual = make_state(24 * 37, 0.05)
+    m1 = ops.encode(update.view(24, 37), residual.clone().view(37, 24), 1.0)
+    m2 = ops.encode(update, residual.clone(), 1.0)
+    assert_bits_equal(m1, m2)
+    d = torch.zeros(24, 37)
+    ops.decode(d, m1)
+    assert d.abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# numpy inputs
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_numpy_encode_decode_count(dtype):
+    update, residual = make_state(5000, 0.05)
+    u_np, r_np = update.numpy().astype(dtype), residual.numpy().copy()
+    r_ref = residual.clone()
+    m = ops.encode(u_np, r_np, 1.0)
+    assert isinstance(m, np.ndarray) and m.dtype == np.int32
+    m_ref = reference.encode(torch.from_numpy(u_np), r_ref, 1.0)
+    assert_bits_equal(torch.from_numpy(m), m_ref)
+    assert_bits_equal(torch.from_numpy(r_np), r_ref)  # updated in place
+    assert ops.count(u_np, r_np, 0.5) == reference.count(torch.from_numpy(u_np), r_ref, 0.5)[0]
+    d_np, d_ref = np.zeros(5000, np.float32), torch.zeros(5000)
+    ops.decode(d_np, m)
+    reference.decode(d_ref, m_ref)
+    assert_bits_equal(torch.from_numpy(d_np), d_ref)
+    ops.decode(d_np, [m, m_ref])  # a list mixing numpy and torch messages
+    reference.decode(d_ref, [m_ref, m_ref])
+    assert_bits_equal(torch.from_numpy(d_np), d_ref)
+
+
+def test_numpy_average():
+    rng = np.random.default_rng(0)
+    bufs = [rng.standard_normal(3000).astype(np.float32) for _ in range(3)]
+    expected = reference.average([torch.from_numpy(b.copy()) for b in bufs], [1.0, -2.0, 0.5])
+    out = ops.average(bufs, weights=[1.0, -2.0, 0.5])
+    assert isinstance(out, np.ndarray)
+    assert_bits_equal(torch.from_numpy(out), expected)
+
+
+def test_numpy_average_in_place_matches_reference():
+    rng = np.random.default_rng(1)
+    bufs = [rng.standard_normal(3000).astype(np.float32) for _ in range(3)]
+    expected = reference.average([torch.from_numpy(b.copy()) for b in bufs])
+    res = ops.average(bufs, out=bufs[1])
+    assert res is bufs[1]
+    assert_bits_equal(torch.from_numpy(bufs[1]), expected)
+
+
+# ---------------------------------------------------------------------------------------------------
+# properties (hypothesis)
+# ---------------------------------------------------------------------------------------------------
+
+finite32 = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_infinity=False, width=32)
+small_states = st.integers(min_value=0, max_value=300).flatmap(
+    lambda n: st.tuples(st.lists(finite32, min_size=n, max_size=n), st.lists(finite32, min_size=n, max_size=n)))
+taus = st.floats(min_value=2.0**-20, max_value=1e4, allow_nan=False, width=32)
+
+
+@settings(max_examples=100, deadline=None)
+@given(state=small_states, tau=taus, fmt=st.sampled_from(FORMATS))
+def test_property_residual_plus_decoded_is_conserved(state, tau, fmt):
+    update, residual = torch.tensor(state[0], dtype=torch.float32), torch.tensor(state[1], dtype=torch.float32)
+    before = residual.clone()
+    msg = ops.encode(update, residual, tau, format=fmt)
+    decoded = torch.zeros_like(residual)
+    ops.decode(decoded, msg)
+    lhs = residual.double() + decoded.double()
+    rhs = before.double() + update.double()
+    # two float32 roundings: u = r + g, and u - tau
+    bound = 2.0**-23 * (rhs.abs() + tau) * 2
+    assert bool(((lhs - rhs).abs() <= bound).all())
+    # one +-tau per element per step: what stays is u - sign*tau
+    u = before + update
+    sent = decoded != 0
+    assert bool((sent == (u.abs() >= tau)).all())
+
+
+@settings(max_examples=60, deadline=None)
+@given(state=small_states, tau=taus, clip=st.one_of(st.none(), st.floats(0.1, 10.0)))
+def test_property_sparse_and_bitmap_decode_alike(state, tau, clip):
+    update, residual = torch.tensor(state[0], dtype=torch.float32), torch.tensor(state[1], dtype=torch.float32)
+    r1, r2 = residual.clone(), residual.clone()
+    m1 = ops.encode(update, r1, tau, clip=clip, format="sparse")
+    m2 = ops.encode(update, r2, tau, clip=clip, format="bitmap")
+    assert msgfmt.parse_header(m1).format == SPARSE and msgfmt.parse_header(m2).format == BITMAP
+    assert msgfmt.parse_header(m1).count == msgfmt.parse_header(m2).count
+    assert_bits_equal(r1, r2)
+    d1, d2 = torch.zeros_like(residual), torch.zeros_like(residual)
+    ops.decode(d1, m1)
+    ops.decode(d2, m2)
+    assert_bits_equal(d1, d2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# determinism across thread counts
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("density", [1e-3, 0.2])
+def test_same_result_for_any_thread_count(threads, fmt, density):
+    update, residual = make_state(BIG, density, seed=11)
+    results = []
+    for t in (1, 2, 3):
+        threads(t)
+        r = residual.clone()
+        m = ops.encode(update, r, 1.0, format=fmt)
+        c = ops.count(update, residual, 1.0)
+        d = torch.zeros(BIG)
+        ops.decode(d, [m, m], scale=0.5)
+        a = ops.average([update, residual, r])
+        results.append((m, r, c, d, a))
+    for m, r, c, d, a in results[1:]:
+        assert_bits_equal(m, results[0][0])
+        assert_bits_equal(r, results[0][1])
+        assert c == results[0][2]
+        assert_bits_equal(d, results[0][3])
+        assert_bits_equal(a, results[0][4])
+    assert msgfmt.parse_header(results[0][0]).count > 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# non-finite input
+# ---------------------------------------------------------------------------------------------------
+
+NONFINITE_CASES = {
+    "nan_update": lambda u, r, i: u.__setitem__(i, float("nan")),
+    "inf_update": lambda u, r, i: u.__setitem__(i, float("inf")),
+    "neg_inf_update": lambda u, r, i: u.__setitem__(i, float("-inf")),
+    "nan_residual": lambda u, r, i: r.__setitem__(i, float("nan")),
+    "overflow": lambda u, r, i: (u.__setitem__(i, 3e38), r.__setitem__(i, 3e38)),
+    "neg_overflow": lambda u, r, i: (u.__setitem__(i, -3e38), r.__setitem__(i, -3e38)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NONFINITE_CASES))
+@pytest.mark.parametrize("n,where", [(1, [0]), (17, [16]), (2 * CHUNK + 9, [2 * CHUNK + 3, CHUNK + 1]),
+                                     (BIG, [BIG - 1, 5 * CHUNK, 3 * CHUNK + 2])])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_nonfinite_raises_or_flags_and_leaves_residual(case, n, where, fmt):
+    update, residual = make_state(n, 0.05, seed=n)
+    for i in where:
+        NONFINITE_CASES[case](update, residual, i)
+    first = min(where)
+    before = residual.clone()
+    with pytest.raises(gradshare.NonFiniteError) as e:
+        ops.encode(update, residual, 1.0, format=fmt)
+    assert e.value.index == first and str(first) in str(e.value)
+    assert_bits_equal(residual, before)
+    marker = ops.encode(update, residual, 1.0, format=fmt, on_nonfinite="flag", clip=2.0)
+    assert_bits_equal(residual, before)
+    assert marker.tolist() == msgfmt.nonfinite_marker(n, 1.0, first).tolist()
+    assert msgfmt.parse_header(marker).format == NONFINITE
+    with pytest.raises(gradshare.NonFiniteError) as e:
+        ops.count(update, residual, 1.0)
+    assert e.value.index == first
+    dst = torch.zeros(n)
+    with pytest.raises(gradshare.MessageError, match="non-finite"):
+        ops.decode(dst, marker)
+    assert not dst.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_nonfinite_half_update(dtype):
+    update, residual = make_state(3 * CHUNK, 0.05, dtype=dtype)
+    update[CHUNK + 7] = float("inf")
+    before = residual.clone()
+    with pytest.raises(gradshare.NonFiniteError) as e:
+        ops.encode(update, residual, 1.0)
+    assert e.value.index == CHUNK + 7
+    assert_bits_equal(residual, before)
+
+
+def test_large_finite_values_are_not_flagged():
+    update = torch.tensor([3e38, -3e38, 1.7e38], dtype=torch.float32)
+    residual = torch.tensor([0.0, 0.0, 1.7e38])
+    check_encode(update, residual, 1e38)
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch custom ops
+# ---------------------------------------------------------------------------------------------------
+
+def _opcheck(op, args):
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("choice", [-1, SPARSE, BITMAP])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_encode(choice, dtype):
+    update, residual = make_state(1000, 0.05, dtype=dtype)
+    _opcheck(torch.ops.gradshare.encode.default, (update, residual, 1.0, 0.0, choice))
+    _opcheck(torch.ops.gradshare.encode.default, (update, residual, 0.5, 1.0, choice))
+
+
+def test_opcheck_count():
+    update, residual = make_state(1000, 0.05)
+    _opcheck(torch.ops.gradshare.count.default, (update, residual, 1.0))
+    _opcheck(torch.ops.gradshare.count.default, (update.half(), residual, 1.0))
+
+
+def test_opcheck_decode():
+    msgs = _messages(500, 3, seed=1)
+    rows = torch.stack([torch.nn.functional.pad(m, (0, 505 - m.numel())) for m in msgs])
+    _opcheck(torch.ops.gradshare.decode.default, (torch.randn(500), rows, 1.0))
+    _opcheck(torch.ops.gradshare.decode.default, (torch.randn(500), rows[:1], -0.5))
+
+
+def test_opcheck_average():
+    bufs = [torch.randn(700) for _ in range(4)]
+    _opcheck(torch.ops.gradshare.average.default, (torch.empty(700), bufs, None))
+    _opcheck(torch.ops.gradshare.average.default, (torch.empty(700), bufs, [0.1, 0.2, 0.3, 0.4]))
+
+
+def _train_step(update, residual, dst, params):
+    g = update * 2.0
+    c = ops.count(g, residual, 0.5)
+    msg = ops.encode(g, residual, 0.5, format="sparse")
+    ops.decode(dst, msg, scale=0.5)
+    avg = ops.average([dst, params], weights=[0.25, 0.75])
+    return msg, avg + 1.0, c
+
+
+def test_torch_compile_public_ops_match_eager():
+    torch._dynamo.reset()
+    update, residual = make_state(3000, 0.05, seed=5)
+    params = torch.randn(3000)
+    r1, r2, d1, d2 = residual.clone(), residual.clone(), torch.zeros(3000), torch.zeros(3000)
+    eager = _train_step(update, r1, d1, params)
+    compiled = torch.compile(_train_step, backend="aot_eager")(update, r2, d2, params)
+    assert_bits_equal(compiled[0], eager[0])
+    assert_bits_equal(compiled[1], eager[1])
+    assert compiled[2] == eager[2]
+    assert_bits_equal(r2, r1)
+    assert_bits_equal(d2, d1)
+
+
+def _fused_graph(update, residual, dst, rows, params):
+    cnt = torch.ops.gradshare.count(update * 2.0, residual, 0.5)
+    torch.ops.gradshare.decode(dst, rows, 0.5)
+    out = torch.empty_like(dst)
+    torch.ops.gradshare.average(out, [dst, params * 3.0], None)
+    return out + 1.0, cnt
+
+
+def test_torch_compile_inductor_fullgraph_custom_ops():
+    torch._dynamo.reset()
+    update, residual = make_state(2000, 0.05, seed=6)
+    rows = torch.stack(_messages(2000, 1, seed=2) * 2)
+    params = torch.randn(2000)
+    d1, d2 = torch.zeros(2000), torch.zeros(2000)
+    eager = _fused_graph(update, residual, d1, rows, params)
+    compiled = torch.compile(_fused_graph, fullgraph=True)(update, residual, d2, rows, params)
+    assert_bits_equal(d2, d1)
+    assert_bits_equal(compiled[0], eager[0])
+    assert compiled[1].tolist() == eager[1].tolist()
