@@ -142,7 +142,7 @@ def run_loopback(a, script, args) -> List[netns.RunResult]:
         rc = p.returncode
     except subprocess.TimeoutExpired:
         netns._kill_group(p)
-        out, err = netns._drain(p)
+        out, err = p.communicate()
         rc = None
     return [netns.RunResult(0, rc, time.monotonic() - t0, out, err)]
 

@@ -150,7 +150,15 @@ def setup_contender(name: str, model: nn.Module, args, total_steps: int, timer: 
     info: dict = {}
     account = lambda: None  # noqa: E731  (library's own byte accounting, where it has one)
     if name in ("ddp_allreduce", "ddp_fp16", "ddp_powersgd", "gradshare_hook"):
-        ddp = DDP(model)
+        if name == "ddp_powersgd":
+            # One bucket: on gloo, powerSGD_hook issues its Q allreduce from the P allreduce's callback, which
+            # races with the next bucket's hook, so ranks can order collectives differently and gloo aborts
+            # ("Received data size doesn't match expected size"). A single bucket has one P-then-Q chain.
+            cap = math.ceil(4 * sum(p.numel() for p in model.parameters()) / 2**20) + 1
+            ddp = DDP(model, bucket_cap_mb=cap)
+            info["bucket_cap_mb"] = cap
+        else:
+            ddp = DDP(model)
         if name == "ddp_fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 

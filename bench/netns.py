@@ -25,6 +25,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
@@ -226,31 +227,42 @@ class NetnsCluster:
         """Starts ``argvs[rank]`` in each namespace at once; waits at most ``timeout`` s for all, kills the rest."""
         if not self._up:
             raise RuntimeError("cluster is not up")
-        procs, t0 = [], time.monotonic()
+        procs, files, t0 = [], [], time.monotonic()
+        # Output goes to files, not pipes: a chatty rank must never block on a full pipe while we wait on another.
         for rank, argv in enumerate(argvs):
-            p = subprocess.Popen(self.exec_argv(rank, argv), env=self.worker_env(rank, env), stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            files.append((out, err))
+            p = subprocess.Popen(self.exec_argv(rank, argv), env=self.worker_env(rank, env), stdout=out, stderr=err,
+                                 text=True, start_new_session=True)
             procs.append(p)
             self._procs.append(p)
-        results: List[Optional[RunResult]] = [None] * len(procs)
+        codes: List[Optional[int]] = [None] * len(procs)
         deadline = t0 + timeout
+        elapsed = [0.0] * len(procs)
         try:
             for rank, p in enumerate(procs):
                 try:
-                    out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-                    results[rank] = RunResult(rank, p.returncode, time.monotonic() - t0, out, err)
+                    codes[rank] = p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                    elapsed[rank] = time.monotonic() - t0
                 except subprocess.TimeoutExpired:
                     break
         finally:
+            results = []
             for rank, p in enumerate(procs):
-                if results[rank] is None:
+                note = ""
+                if codes[rank] is None:
                     _kill_group(p)
-                    out, err = _drain(p)
-                    results[rank] = RunResult(rank, None, time.monotonic() - t0, out,
-                                              err + f"\n[netns] killed after the {timeout:g} s timeout\n")
+                    elapsed[rank] = time.monotonic() - t0
+                    note = f"\n[netns] killed after the {timeout:g} s timeout\n"
+                out, err = files[rank]
+                out.seek(0)
+                err.seek(0)
+                results.append(RunResult(rank, codes[rank], elapsed[rank], out.read(), err.read() + note))
+                out.close()
+                err.close()
                 if p in self._procs:
                     self._procs.remove(p)
-        return results  # type: ignore[return-value]
+        return results
 
     def torchrun(self, script: str, args: Sequence[str] = (), timeout: float = 600.0, env: Optional[dict] = None,
                  nproc_per_node: int = 1, port: int = MASTER_PORT) -> List[RunResult]:
@@ -276,13 +288,6 @@ def _kill_group(p: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
-
-
-def _drain(p: subprocess.Popen):
-    try:
-        return p.communicate(timeout=5)
-    except Exception:
-        return "", ""
 
 
 def _teardown_all() -> None:

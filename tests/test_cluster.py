@@ -10,7 +10,7 @@ import pytest
 
 import cluster_job
 from gradshare import checkpoint, cluster
-from gradshare.workers import run_local
+from gradshare.workers import free_port, run_local
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "cluster_job.py")
@@ -79,6 +79,43 @@ def test_without_a_launcher_runs_as_a_world_of_one(tmp_path):
     out = json.loads((tmp_path / "r.json").read_text())
     assert out["world_size"] == 1 and out["stats"]["steps"] == 12
     assert checkpoint.load_latest(str(tmp_path / "ckpt")).step == 10
+
+
+def _rank_and_config(config, ctx):
+    return {"rank": ctx.rank, "config": config}
+
+
+@pytest.mark.slow
+def test_every_rank_returns_rank_0s_result():
+    out = run_local(cluster.run, 2, (_rank_and_config, {"a": 1}), timeout=60, collective_timeout=30)
+    assert out == [{"rank": 0, "config": {"a": 1}}] * 2
+
+
+def _restore_into_fresh_model(config, ctx):
+    import torch
+    model = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        model.weight.zero_()
+    with pytest.warns(UserWarning, match="written by 2 ranks, this run has 1"):
+        restored = ctx.restore(objects={"model": model}, rank_objects={"residual": torch.nn.Linear(2, 1)})
+    return restored, ctx.start_step, ctx.rank_state(), model.weight.tolist()
+
+
+def test_world_size_change_restores_shared_state_only(tmp_path, monkeypatch):
+    import torch
+    source = torch.nn.Linear(2, 1)
+    checkpoint.write_atomic({"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "step": 30,
+                             "world_size": 2, "state": {"model": source.state_dict()},
+                             "ranks": [{"residual": None}, {"residual": None}]},
+                            checkpoint.checkpoint_path(str(tmp_path), 30))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    restored, start, mine, weight = cluster.run(_restore_into_fresh_model, None, checkpoint_dir=str(tmp_path),
+                                                collective_timeout=30)
+    assert (restored, start, mine) == (True, 30, None)
+    assert weight == source.weight.tolist()
 
 
 @pytest.mark.slow

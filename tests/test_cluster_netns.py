@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -60,6 +61,8 @@ def _node(ns, dev, node_rank, config, tmp_path, max_restarts):
     cmd = ["ip", "netns", "exec", ns, "torchrun", "--nnodes=2", f"--node_rank={node_rank}", "--nproc_per_node=1",
            f"--local_addr=10.78.5.{node_rank + 1}",
            "--rdzv_backend=c10d", "--rdzv_endpoint=10.78.5.1:29555", "--rdzv_id=gradshare-netns",
+           # torchrun guesses the store's host by the machine's host name, which names neither namespace.
+           f"--rdzv_conf=is_host={str(node_rank == 0).lower()}",
            f"--max-restarts={max_restarts}", "-m", "gradshare.cluster", f"{JOB}:train",
            "--config", json.dumps(config), "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "10",
            "--result", str(tmp_path / "result.json"), "--collective-timeout", "60"]
@@ -69,21 +72,23 @@ def _node(ns, dev, node_rank, config, tmp_path, max_restarts):
 
 def _wait_all(procs, timeout):
     outputs = []
+    deadline = time.monotonic() + timeout
     try:
         for p in procs:
-            outputs.append(p.communicate(timeout=timeout)[0])
+            outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
     except subprocess.TimeoutExpired:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-        pytest.fail("a torchrun node did not finish in time (a hang)")
+        tails = [p.communicate()[0][-3000:] for p in procs[len(outputs):]]
+        pytest.fail("a torchrun node did not finish in time (a hang):\n" + "\n----\n".join(outputs + tails))
     return [p.returncode for p in procs], outputs
 
 
 def _run_across_hosts(tmp_path, config, max_restarts=0):
     with two_hosts() as ((a, va), (b, vb)):
         procs = [_node(a, va, 0, config, tmp_path, max_restarts), _node(b, vb, 1, config, tmp_path, max_restarts)]
-        codes, outputs = _wait_all(procs, timeout=150)
+        codes, outputs = _wait_all(procs, timeout=120)
     assert codes == [0, 0], "\n".join(o[-3000:] for o in outputs)
     return json.loads((tmp_path / "result.json").read_text()), outputs
 

@@ -79,6 +79,7 @@ def _train(steps, start=0, ckpts=None, save_at=None, cap_mb=25.0, nonfinite="rai
     info["pickle_ok"] = (clone.process_group is None and sd2["iteration"] == sd["iteration"] and
                          all(torch.equal(sd["residuals"][k], sd2["residuals"][k]) for k in sd["residuals"]))
     return {"params": _flat(model), "saved": saved, "iteration": state.iteration, "buckets": len(state._buckets),
+            "known_params": len(state._sid),
             "formats": dict(state.stats.format_counts), "bytes_sent": state.stats.bytes_sent,
             "residual_norm": float(sum(float(t.norm()) for t in sd["residuals"].values())),
             "init": _flat(_net()), **info}
@@ -93,6 +94,7 @@ def test_hook_keeps_replicas_bitwise_identical_across_bucket_rebuild(world):
         assert np.array_equal(r["params"], res[0]["params"])
         assert r["iteration"] == 50
         assert r["buckets"] >= 2                       # the rebuilt layout is what is kept
+        assert r["known_params"] == 6                  # parameters recognised across steps and the rebuild
         assert r["residual_norm"] > 0 and r["pickle_ok"]
     assert not np.array_equal(res[0]["params"], res[0]["init"])
     assert res[0]["formats"]["sparse"] + res[0]["formats"]["bitmap"] > 50

@@ -37,12 +37,6 @@ def test_local_mode_matches_run_local(reference):
     assert out["params"] == reference["params"]
 
 
-def test_local_cluster_matches_run_local(reference):
-    out = spark.run(cluster.run, cluster_job.train, CONFIG, master="local-cluster[2,1,1024]", num_processes=2)
-    assert out["world_size"] == 2 and out["stats"]["steps"] == 40
-    assert out["params"] == reference["params"]
-
-
 def test_local_mode_failure_is_raised_and_not_retried(tmp_path):
     # torchrun's failure reaches TorchDistributor only as a missing result ("failed during training").
     with pytest.raises(RuntimeError, match="failed during training|failed with return code"):
@@ -51,16 +45,27 @@ def test_local_mode_failure_is_raised_and_not_retried(tmp_path):
     assert len(attempts) == 1
 
 
-def test_local_cluster_failure_is_not_retried_by_spark_but_by_run(tmp_path, reference, caplog):
-    """Rank 1 is SIGKILLed at step 25 in the first job. Spark aborts the job (a failed barrier ResultStage is
-    never resubmitted); run(max_retries=1) starts a second job, which resumes from the step-20 checkpoint."""
-    ckpt_dir = tmp_path / "ckpt"
-    config = dict(CONFIG, kill_at_step=25, kill_rank=1, kill_once_file=str(tmp_path / "killed"),
-                  attempt_log=str(tmp_path / "attempts.log"))
-    run = functools.partial(cluster.run, checkpoint_dir=str(ckpt_dir), checkpoint_every=10)
-    with caplog.at_level(logging.WARNING, logger="gradshare.spark"):
-        out = spark.run(run, cluster_job.train, config, master="local-cluster[2,1,1024]", num_processes=2,
-                        max_retries=1)
+def test_local_cluster_matches_run_local_and_recovers_through_run_retries(tmp_path, reference, caplog):
+    """One local-cluster session, two jobs. First a plain run. Then rank 1 is SIGKILLed at step 25: Spark aborts
+    the job (a failed barrier ResultStage is never resubmitted) and run(max_retries=1) starts a second job,
+    which resumes from the step-20 checkpoint and ends with the uninterrupted run's parameters."""
+    session = spark.session("local-cluster[2,1,1024]")
+    try:
+        with pytest.raises(RuntimeError, match="is running"):
+            spark.session("local[2]")
+        plain = spark.run(cluster.run, cluster_job.train, CONFIG, spark=session, num_processes=2)
+        assert plain["world_size"] == 2 and plain["stats"]["steps"] == 40
+        assert plain["params"] == reference["params"]
+
+        ckpt_dir = tmp_path / "ckpt"
+        config = dict(CONFIG, kill_at_step=25, kill_rank=1, kill_once_file=str(tmp_path / "killed"),
+                      attempt_log=str(tmp_path / "attempts.log"))
+        run = functools.partial(cluster.run, checkpoint_dir=str(ckpt_dir), checkpoint_every=10)
+        with caplog.at_level(logging.WARNING, logger="gradshare.spark"):
+            out = spark.run(run, cluster_job.train, config, spark=session, num_processes=2, max_retries=1)
+        assert session.sparkContext._jsc is not None  # a session passed in is left running
+    finally:
+        session.stop()
     assert (tmp_path / "killed").exists()
     assert "Could not recover from a failed barrier ResultStage" in caplog.text
     assert out["resumed_from"] == 20

@@ -14,15 +14,12 @@ namespace {
 // Index of the first invalid payload word, or -1.
 int64_t first_bad_sparse(const int32_t* p, int64_t count, int64_t n) {
   int bad = 0;
-  GS_PARALLEL_FOR(count >= kParallelMin)
+#ifdef GS_HAVE_OPENMP
+#pragma omp parallel for schedule(static) reduction(| : bad) if (count >= kParallelMin)
+#endif
   for (int64_t j = 0; j < count; ++j) {
     const int64_t prev = j == 0 ? 0 : (p[j - 1] < 0 ? -(int64_t)p[j - 1] : (int64_t)p[j - 1]);
-    if (!sparse_entry_ok(p[j], prev, n)) {
-#ifdef GS_HAVE_OPENMP
-#pragma omp atomic write
-#endif
-      bad = 1;
-    }
+    bad |= sparse_entry_ok(p[j], prev, n) ? 0 : 1;
   }
   if (!bad) return -1;
   for (int64_t j = 0; j < count; ++j) {
@@ -65,11 +62,12 @@ void apply(float* dst, const int32_t* msg, int64_t n, float scale) {
   if (msg[1] == kSparse) {
     const int64_t count = msg[3];
     // Entries are distinct (validated ascending), so threads never touch the same element.
+    // Signs are random: select +-v instead of branching (x + (-v) rounds exactly like x - v).
     GS_PARALLEL_FOR(count >= kParallelMin)
     for (int64_t j = 0; j < count; ++j) {
       const int32_t e = p[j];
-      if (e > 0) dst[e - 1] += v;
-      else dst[-(int64_t)e - 1] -= v;
+      const int64_t i = (e > 0 ? (int64_t)e : -(int64_t)e) - 1;
+      dst[i] += e > 0 ? v : -v;
     }
     return;
   }
@@ -77,13 +75,10 @@ void apply(float* dst, const int32_t* msg, int64_t n, float scale) {
   GS_PARALLEL_FOR(words >= kParallelMin / 16)
   for (int64_t w = 0; w < words; ++w) {
     const uint32_t x = static_cast<uint32_t>(p[w]);
-    if (x == 0) continue;
     float* d = dst + w * 16;
-    for (int b = 0; b < 16; ++b) {
-      if (x & (1u << b)) {
-        if (x & (1u << (b + 16))) d[b] -= v;
-        else d[b] += v;
-      }
+    for (uint32_t present = x & 0xffffu; present != 0; present &= present - 1) {  // visit set bits only
+      const int b = lowest_bit(present);
+      d[b] += (x >> (b + 16)) & 1u ? -v : v;
     }
   }
 }

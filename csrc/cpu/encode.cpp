@@ -1,35 +1,109 @@
 // Threshold encoding with fused residual accumulation (CPU). See csrc/gradshare/message.h for the
 // format and csrc/gradshare/element.h for the per-element rule shared with the CUDA kernels.
+//
+// Two passes over the data. The count pass reads update + residual, counts per chunk, checks finiteness and
+// stores a hit mask: one bit per element (one uint64_t per 64-element block) telling whether u reaches tau.
+// The write pass then works in 64-element blocks: a block whose mask word is 0 (almost all of them at the
+// usual densities) only stores kept = u (clipped), and the signed indices / bitmap words are built from the
+// hit mask and a negative-sign mask of the block instead of being searched for element by element.
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <vector>
 #include "cpu/parallel.h"
 #include "gradshare/kernels.h"
 
+// SSE2 (every x86-64 CPU) for the float32 mask loops; other targets, and builds with -DGS_NO_SIMD (used to
+// test the fallback on x86), use the portable loops, which produce the same masks.
+#if defined(__SSE2__) && !defined(GS_NO_SIMD)
+#include <emmintrin.h>
+#define GS_SSE2 1
+#endif
+
 namespace gs {
 namespace {
+
+constexpr int64_t kBlock = 64;  // elements per mask word; kChunk is a multiple, so chunks own whole words
+static_assert(kChunk % kBlock == 0, "a chunk must own whole mask words");
+
+inline int64_t mask_words(int64_t n) { return (n + kBlock - 1) / kBlock; }
 
 template <int DT>
 inline float upd(const void* p, int64_t i) {
   return load_as_float(p, DT, i);
 }
 
-// Pass 1: per chunk, how many elements reach tau and whether any u is non-finite. Reads update and
-// residual once; writes nothing but one count per chunk.
+// Bits j of the result = flags[j] for flags[0..64) each 0 or 1: eight bytes at a time, one multiply moves
+// byte j's low bit to bit 56 + j (no two partial products overlap there).
+inline uint64_t pack_flags(const uint8_t* flags) {
+  uint64_t bits = 0;
+  for (int k = 0; k < 8; ++k) {
+    uint64_t x;
+    std::memcpy(&x, flags + 8 * k, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    x = __builtin_bswap64(x);  // byte j must be the j-th least significant
+#endif
+    bits |= ((x * 0x0102040810204080ull) >> 56) << (8 * k);
+  }
+  return bits;
+}
+
+// Hit mask of elements [i, i + len), len <= 64; sets *bad if any u is non-finite. The flag loop is plain
+// element-wise code, so compilers vectorise it for every dtype; bits past len stay 0.
+template <int DT>
+inline uint64_t hit_bits_portable(const void* update, const float* residual, int64_t i, int64_t len, float tau,
+                                  int32_t* bad) {
+  uint8_t flags[kBlock];
+  if (len < kBlock) std::memset(flags, 0, sizeof flags);
+  int32_t b = 0;
+  for (int64_t j = 0; j < len; ++j) {
+    const float u = residual[i + j] + upd<DT>(update, i + j);
+    flags[j] = static_cast<uint8_t>((u >= tau) | (u <= -tau));  // reaches(u, tau), without a branch
+    b |= static_cast<int32_t>(!(u - u == 0.0f));                  // u - u is 0 unless u is NaN/Inf
+  }
+  *bad |= b;
+  return pack_flags(flags);
+}
+
+template <int DT>
+inline uint64_t hit_bits(const void* update, const float* residual, int64_t i, int64_t len, float tau,
+                         int32_t* bad) {
+#ifdef GS_SSE2
+  if (DT == kFloat32 && len == kBlock) {  // movemask turns 4 compares into 4 bits in one instruction
+    const float* g = static_cast<const float*>(update) + i;
+    const float* r = residual + i;
+    const __m128 vt = _mm_set1_ps(tau), vnt = _mm_set1_ps(-tau);
+    __m128 vbad = _mm_setzero_ps();
+    uint64_t bits = 0;
+    for (int k = 0; k < kBlock; k += 4) {
+      const __m128 u = _mm_add_ps(_mm_loadu_ps(r + k), _mm_loadu_ps(g + k));
+      const __m128 hit = _mm_or_ps(_mm_cmpge_ps(u, vt), _mm_cmple_ps(u, vnt));
+      const __m128 d = _mm_sub_ps(u, u);
+      vbad = _mm_or_ps(vbad, _mm_cmpunord_ps(d, d));  // u - u is NaN iff u is NaN/Inf
+      bits |= static_cast<uint64_t>(_mm_movemask_ps(hit)) << k;
+    }
+    *bad |= _mm_movemask_ps(vbad);
+    return bits;
+  }
+#endif
+  return hit_bits_portable<DT>(update, residual, i, len, tau, bad);
+}
+
+// Pass 1: per chunk, how many elements reach tau and the first non-finite u (or -1). Reads update and
+// residual once; writes one count per chunk and, when `hits` is not null, the chunk's hit-mask words.
 template <int DT>
 void count_chunks(const void* update, const float* residual, int64_t n, float tau, int64_t* counts,
-                  int64_t* first_bad) {
+                  int64_t* first_bad, uint64_t* hits) {
   const int64_t nch = num_chunks(n);
   GS_PARALLEL_FOR(n >= kParallelMin)
   for (int64_t c = 0; c < nch; ++c) {
     const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
-    // int32 lanes and a float test for finiteness (u - u is 0 unless u is NaN/Inf) keep this loop
-    // vectorised: it is half of the memory traffic of an encode.
-    int32_t cnt = 0, bad = 0;
-    for (int64_t i = lo; i < hi; ++i) {
-      const float u = residual[i] + upd<DT>(update, i);
-      cnt += static_cast<int32_t>(u >= tau) | static_cast<int32_t>(u <= -tau);
-      bad |= static_cast<int32_t>(!(u - u == 0.0f));
+    int64_t cnt = 0;
+    int32_t bad = 0;
+    for (int64_t b = lo; b < hi; b += kBlock) {
+      const uint64_t bits = hit_bits<DT>(update, residual, b, std::min(kBlock, hi - b), tau, &bad);
+      if (hits) hits[b / kBlock] = bits;
+      cnt += __builtin_popcountll(bits);
     }
     counts[c] = cnt;
     first_bad[c] = -1;
@@ -43,67 +117,94 @@ void count_chunks(const void* update, const float* residual, int64_t n, float ta
   }
 }
 
-// Residual update and signs for elements [b, b+len) of one block. A select-only loop, so it vectorises;
-// the data-dependent work (emitting indices / packing bits) then reads the cache-resident signs.
-constexpr int64_t kSignBlock = 512;  // a multiple of 16: blocks hold whole bitmap words
+// The residual threshold_step keeps for an element that does not reach tau: u, clipped exactly as it clips.
+template <bool CLIP>
+inline float kept_silent(float u, float clip) {
+  if (!CLIP) return u;
+  const float hi = u > clip ? clip : u;
+  return hi < -clip ? -clip : hi;
+}
 
-template <int DT>
-inline void step_block(const void* update, float* residual, int64_t b, int64_t len, float tau, float clip,
-                       int8_t* sign) {
+// Block without hits: kept = u (clipped). A plain element-wise update, vectorised for every dtype.
+template <int DT, bool CLIP>
+inline void step_silent(const void* update, float* residual, int64_t b, int64_t len, float clip) {
+  for (int64_t j = 0; j < len; ++j) residual[b + j] = kept_silent<CLIP>(residual[b + j] + upd<DT>(update, b + j), clip);
+}
+
+// Block with hits: threshold_step on each element; returns the mask of elements that went negative.
+template <int DT, bool CLIP>
+inline uint64_t step_hits(const void* update, float* residual, int64_t b, int64_t len, float tau, float clip) {
+  const float c = CLIP ? clip : 0.0f;  // threshold_step clips only when clip > 0
+#ifdef GS_SSE2
+  if (DT == kFloat32 && len == kBlock) {  // threshold_step's selects as masks (pos and neg never both hold)
+    const float* g = static_cast<const float*>(update) + b;
+    float* r = residual + b;
+    const __m128 vt = _mm_set1_ps(tau), vnt = _mm_set1_ps(-tau), vc = _mm_set1_ps(c), vnc = _mm_set1_ps(-c);
+    uint64_t neg_bits = 0;
+    for (int k = 0; k < kBlock; k += 4) {
+      const __m128 u = _mm_add_ps(_mm_loadu_ps(r + k), _mm_loadu_ps(g + k));
+      const __m128 pos = _mm_cmpge_ps(u, vt), neg = _mm_cmple_ps(u, vnt);
+      __m128 kept = _mm_or_ps(_mm_or_ps(_mm_and_ps(pos, _mm_sub_ps(u, vt)), _mm_and_ps(neg, _mm_add_ps(u, vt))),
+                              _mm_andnot_ps(_mm_or_ps(pos, neg), u));
+      if (CLIP) kept = _mm_max_ps(_mm_min_ps(kept, vc), vnc);  // same order as threshold_step; u is finite
+      _mm_storeu_ps(r + k, kept);
+      neg_bits |= static_cast<uint64_t>(_mm_movemask_ps(neg)) << k;
+    }
+    return neg_bits;
+  }
+#endif
+  uint8_t negative[kBlock];
+  if (len < kBlock) std::memset(negative, 0, sizeof negative);
   for (int64_t j = 0; j < len; ++j) {
     float kept;
-    sign[j] = static_cast<int8_t>(threshold_step(residual[b + j] + upd<DT>(update, b + j), tau, clip, &kept));
+    negative[j] = static_cast<uint8_t>(threshold_step(residual[b + j] + upd<DT>(update, b + j), tau, c, &kept) < 0);
     residual[b + j] = kept;
   }
+  return pack_flags(negative);
 }
 
-// Pass 2 (sparse): write the kept residual and the signed 1-based indices at each chunk's offset.
-template <int DT>
-void write_sparse(const void* update, float* residual, int64_t n, float tau, float clip, const int64_t* offsets,
-                  int32_t* payload) {
+// Pass 2: update the residual and write the payload from the hit mask. Sparse: chunk c writes its signed
+// 1-based indices, ascending, at offsets[c]. Bitmap: 16 elements per word, bit k present, bit k + 16 negative.
+template <int DT, bool CLIP, bool BITMAP>
+void write_chunks(const void* update, float* residual, int64_t n, float tau, float clip, const uint64_t* hits,
+                  const int64_t* offsets, int32_t* payload) {
   const int64_t nch = num_chunks(n);
   GS_PARALLEL_FOR(n >= kParallelMin)
   for (int64_t c = 0; c < nch; ++c) {
     const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
-    int32_t* p = payload + offsets[c];
-    int8_t sign[kSignBlock];
-    for (int64_t b = lo; b < hi; b += kSignBlock) {
-      const int64_t len = std::min(kSignBlock, hi - b);
-      step_block<DT>(update, residual, b, len, tau, clip, sign);
-      for (int64_t j0 = 0; j0 < len; j0 += 8) {  // skip 8 silent elements per test (len % 8 == 0 but the tail)
-        uint64_t eight = 0;
-        const int64_t m = std::min<int64_t>(8, len - j0);
-        std::memcpy(&eight, sign + j0, static_cast<size_t>(m));
-        if (eight == 0) continue;
-        for (int64_t j = j0; j < j0 + m; ++j)
-          if (sign[j] != 0) *p++ = static_cast<int32_t>(sign[j] > 0 ? (b + j + 1) : -(b + j + 1));
-      }
-    }
-  }
-}
-
-// Pass 2 (bitmap): 16 elements per word.
-template <int DT>
-void write_bitmap(const void* update, float* residual, int64_t n, float tau, float clip, int32_t* payload) {
-  const int64_t nch = num_chunks(n);
-  GS_PARALLEL_FOR(n >= kParallelMin)
-  for (int64_t c = 0; c < nch; ++c) {
-    const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
-    int8_t sign[kSignBlock];
-    for (int64_t b = lo; b < hi; b += kSignBlock) {
-      const int64_t len = std::min(kSignBlock, hi - b);
-      step_block<DT>(update, residual, b, len, tau, clip, sign);
-      for (int64_t w = 0; w < len; w += 16) {
-        uint32_t word = 0;
-        const int64_t end = std::min<int64_t>(16, len - w);
-        for (int64_t k = 0; k < end; ++k) {
-          const int8_t sg = sign[w + k];
-          word |= (static_cast<uint32_t>(sg != 0) << k) | (static_cast<uint32_t>(sg < 0) << (k + 16));
+    int32_t* p = BITMAP ? nullptr : payload + offsets[c];
+    for (int64_t b = lo; b < hi; b += kBlock) {
+      const int64_t len = std::min(kBlock, hi - b);
+      uint64_t hit = hits[b / kBlock], neg = 0;
+      if (hit == 0)
+        step_silent<DT, CLIP>(update, residual, b, len, clip);
+      else
+        neg = step_hits<DT, CLIP>(update, residual, b, len, tau, clip);
+      if (BITMAP) {
+        // Both masks are 0 past n, so the last word's unused bits are 0 too.
+        for (int64_t k = 0; 16 * k < len; ++k) {
+          const uint32_t present = static_cast<uint32_t>(hit >> (16 * k)) & 0xFFFFu;
+          const uint32_t negative = static_cast<uint32_t>(neg >> (16 * k)) & 0xFFFFu;
+          payload[b / 16 + k] = static_cast<int32_t>(present | (negative << 16));
         }
-        payload[(b + w) / 16] = static_cast<int32_t>(word);
+      } else {
+        for (; hit != 0; hit &= hit - 1) {  // lowest set bit first: ascending indices
+          const int j = __builtin_ctzll(hit);
+          const int32_t idx = static_cast<int32_t>(b + j + 1);
+          *p++ = (neg >> j) & 1 ? -idx : idx;
+        }
       }
     }
   }
+}
+
+template <int DT, bool BITMAP>
+void write_payload(const void* update, float* residual, int64_t n, float tau, float clip, const uint64_t* hits,
+                   const int64_t* offsets, int32_t* payload) {
+  if (clip > 0.0f)
+    write_chunks<DT, true, BITMAP>(update, residual, n, tau, clip, hits, offsets, payload);
+  else
+    write_chunks<DT, false, BITMAP>(update, residual, n, tau, clip, hits, offsets, payload);
 }
 
 template <int DT>
@@ -111,7 +212,9 @@ EncodeResult encode_t(const void* update, float* residual, int64_t n, float tau,
                       int32_t* out, int64_t capacity) {
   const int64_t nch = num_chunks(n);
   std::vector<int64_t> counts(nch), first_bad(nch);
-  count_chunks<DT>(update, residual, n, tau, counts.data(), first_bad.data());
+  // Scratch of n/8 bytes, left uninitialised: the count pass writes every word.
+  const std::unique_ptr<uint64_t[]> hits(new uint64_t[static_cast<size_t>(mask_words(n))]);
+  count_chunks<DT>(update, residual, n, tau, counts.data(), first_bad.data(), hits.get());
   EncodeResult r{0, 0, -1, kSparse};
   for (int64_t c = 0; c < nch; ++c) {
     if (r.nonfinite_index < 0 && first_bad[c] >= 0) r.nonfinite_index = first_bad[c];
@@ -132,9 +235,9 @@ EncodeResult encode_t(const void* update, float* residual, int64_t n, float tau,
       counts[c] = acc;
       acc += k;
     }
-    write_sparse<DT>(update, residual, n, tau, clip, counts.data(), out + kHeaderWords);
+    write_payload<DT, false>(update, residual, n, tau, clip, hits.get(), counts.data(), out + kHeaderWords);
   } else {
-    write_bitmap<DT>(update, residual, n, tau, clip, out + kHeaderWords);
+    write_payload<DT, true>(update, residual, n, tau, clip, hits.get(), nullptr, out + kHeaderWords);
   }
   r.length = need;
   return r;
@@ -144,7 +247,7 @@ template <int DT>
 CountResult count_t(const void* update, const float* residual, int64_t n, float tau) {
   const int64_t nch = num_chunks(n);
   std::vector<int64_t> counts(nch), first_bad(nch);
-  count_chunks<DT>(update, residual, n, tau, counts.data(), first_bad.data());
+  count_chunks<DT>(update, residual, n, tau, counts.data(), first_bad.data(), nullptr);
   CountResult r{0, -1};
   for (int64_t c = 0; c < nch; ++c) {
     if (r.nonfinite_index < 0 && first_bad[c] >= 0) r.nonfinite_index = first_bad[c];

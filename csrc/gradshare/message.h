@@ -118,13 +118,32 @@ GS_HD bool bitmap_word_ok(uint32_t w, int64_t word_index, int64_t n) {
 }
 
 GS_HD int popcount16(uint32_t x) {
+#if defined(__CUDA_ARCH__)
+  return __popc(x & 0xffffu);
+#elif defined(__GNUC__) || defined(__clang__)
+  return __builtin_popcount(x & 0xffffu);
+#else
   x &= 0xffffu;
   int c = 0;
-  while (x) {
-    x &= x - 1;
-    ++c;
-  }
+  for (; x; x &= x - 1) ++c;
   return c;
+#endif
+}
+
+// Index of the lowest set bit of a non-zero word.
+GS_HD int lowest_bit(uint32_t x) {
+#if defined(__CUDA_ARCH__)
+  return __ffs(x) - 1;
+#elif defined(__GNUC__) || defined(__clang__)
+  return __builtin_ctz(x);
+#else
+  int b = 0;
+  while (!(x & 1u)) {
+    x >>= 1;
+    ++b;
+  }
+  return b;
+#endif
 }
 
 }  // namespace gs

@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -49,8 +50,8 @@ log = logging.getLogger(__name__)
 class Context:
     """What a rank's training function needs from its launcher: identity, the resume point, checkpoint saving.
 
-    ``resumed`` is the checkpoint this run starts from (None on a fresh start); its ``ranks`` list holds only
-    this rank's entry (``resumed.rank_state(ctx.rank)`` is not valid; use :meth:`rank_state`).
+    ``resumed`` is the checkpoint this run starts from (None on a fresh start): its ``step`` and shared
+    ``state``; its ``ranks`` list is left empty, this rank's own entry is :meth:`rank_state`.
     """
 
     rank: int
@@ -137,21 +138,41 @@ def _init_process_group(backend: Optional[str], collective_timeout: float) -> bo
 
 
 def _restart_safe_store(timeout: timedelta):
-    """Under torchrun's shared agent store: a key space of this restart's own, else None (plain env://).
+    """Under torchrun's shared agent store: a fresh store for this round's process group, else None (env://).
 
     torchrun (torch 2.13, c10d rendezvous) keeps one TCPStore for the whole job and hands it to the workers
-    of every restart. The process group's rendezvous keys written by the workers of a failed attempt are
-    still there when the restarted workers join, and gloo then connects to the dead workers' addresses
-    ("connectFullMesh failed ... Connection refused", or a wait until the timeout when the old port has
-    been reused). Workers of one restart share TORCHELASTIC_RESTART_COUNT, so it names a fresh key space.
+    of every round. The process group's keys written by the workers of a failed round are still there when
+    the next round's workers join, and gloo then connects to dead workers' addresses ("connectFullMesh failed
+    ... Connection refused", or a wait until the timeout). No name for the round is shared by every worker
+    (TORCHELASTIC_RESTART_COUNT is per agent: a node restarted for a membership change keeps its count), so
+    rank 0 starts a store of its own and announces its port through the agent store. An announcement left
+    by an earlier round names a store whose owner is dead: the connection fails and the worker reads the
+    announcement again until the current one appears. Same effect as launching torchrun with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    world = _env_int("WORLD_SIZE", 1)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=timeout)
-    prefix = f"gradshare/restart_{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}/world_{world}"
-    return dist.PrefixStore(prefix, store)
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    key = "gradshare/process_group_store"
+    if rank == 0:
+        own = dist.TCPStore(addr, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        agent.set(key, json.dumps([addr, own.port]))
+        return own
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        host, own_port = json.loads(agent.get(key))
+        try:
+            own = dist.TCPStore(host, own_port, world, is_master=False,
+                                timeout=min(timeout, timedelta(seconds=5)))
+            own.set_timeout(timeout)
+            return own
+        except Exception as exc:  # a previous round's store: its owner is gone
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0's process group store ({host}:{own_port}) did not answer within "
+                                   f"{timeout.total_seconds():.0f} s: {exc}") from exc
+            time.sleep(0.5)
 
 
 def _resume(checkpoint_dir: Optional[str], rank: int, world: int):
@@ -187,6 +208,7 @@ def run(train_fn: Callable[[Any, Context], Any], config: Any = None, *, checkpoi
     :class:`Context` to ``train_fn``. ``checkpoint_every``: steps between checkpoints (``ctx.should_save``);
     ``keep_last``: checkpoints kept. ``backend``: default nccl when CUDA is present, else gloo.
     ``collective_timeout``: seconds after which a collective waiting on a dead or stuck peer raises.
+    Every rank returns rank 0's result (so a per-rank result cannot leak out of Spark's local mode).
     The process group is destroyed on return only if this call created it.
     """
     created = _init_process_group(backend, collective_timeout)
@@ -199,7 +221,13 @@ def run(train_fn: Callable[[Any, Context], Any], config: Any = None, *, checkpoi
                       _own_rank_state=mine)
         if resumed is not None and rank == 0:
             log.info("resuming from %s (step %d)", resumed.path, resumed.step)
-        return train_fn(config, ctx)
+        result = train_fn(config, ctx)
+        if world > 1:
+            # Every rank returns rank 0's result: Spark's local mode keeps whichever rank finishes last.
+            box = [result if rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            result = box[0]
+        return result
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from gradshare import ops
-from gradshare.message import BITMAP, FORMAT_NAMES, NONFINITE, SPARSE
+from gradshare.message import BITMAP, FORMAT_NAMES, HEADER_WORDS, NONFINITE, SPARSE
 from gradshare.ops import NonFiniteError
 
 META_WORDS = 4          # per rank in the lengths gather: words, format, n, count (or first bad index)
@@ -80,6 +80,7 @@ class ExchangeResult:
     bytes_sent: int             # per rank, ring model (lengths + payload)
     dense_bytes: int            # per rank, a dense fp32 ring allreduce of the buffer
     nonfinite_ranks: List[int] = field(default_factory=list)
+    message: Optional[torch.Tensor] = None   # this rank's own encoded message (None for a skipped step)
 
     @property
     def skipped(self) -> bool:
@@ -231,7 +232,33 @@ class _Exchange:
         return ExchangeResult(out=self.out, format=fmt, world=self.world, n=self.n, tau=self.tau,
                               words=self.words, counts=self.counts, formats=self.formats, bytes_sent=sent,
                               dense_bytes=dense_allreduce_bytes(self.n, self.world),
-                              nonfinite_ranks=list(bad or []))
+                              nonfinite_ranks=list(bad or []), message=None if bad else self.msg)
+
+
+def zero_sent(target: torch.Tensor, result: ExchangeResult) -> None:
+    """Zero ``target`` (flat, the exchanged buffer's size) where this rank's message of ``result`` sent.
+
+    After a dense-fallback step everything was sent: all of ``target`` is zeroed; after a skipped step
+    nothing is. Used for momentum factor masking (Deep Gradient Compression): the local velocity of
+    elements that were just sent starts again from zero.
+    """
+    t = target.view(-1)
+    if result.skipped:
+        return
+    if result.format == "dense":
+        t.zero_()
+        return
+    msg = result.message
+    fmt, count = int(msg[1]), int(msg[3])
+    if count == 0:
+        return
+    if fmt == SPARSE:
+        idx = msg[HEADER_WORDS:HEADER_WORDS + count].abs().long() - 1
+        t.index_fill_(0, idx.to(t.device), 0.0)
+    else:
+        sent = torch.zeros(t.numel(), dtype=torch.float32, device=t.device)
+        ops.decode(sent, msg)
+        t.masked_fill_(sent != 0, 0.0)
 
 
 def exchange(update: torch.Tensor, residual: torch.Tensor, tau: float, *, out: Optional[torch.Tensor] = None,

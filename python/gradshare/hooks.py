@@ -26,7 +26,19 @@ stop DDP from handing gradients to the optimizer, and momentum or weight decay m
 zero gradients). "skip" keeps a copy of each residual (one more float32 per parameter). After a "raise",
 residuals are not restored: reload a checkpoint to continue.
 
-Exact resume: residuals always restore exactly. Thresholds are per bucket; a fresh DDP runs its first
+Momentum correction (Deep Gradient Compression, Lin et al. 2018), ``momentum=m``: applying momentum
+AFTER sparsification (an inner SGD with momentum on the decoded gradient) lets stale, delayed residual
+entries keep pushing through the velocity and loses accuracy at high compression. With ``momentum=m``
+each bucket keeps a local velocity u = m*u + g (g: this rank's gradient) and encodes u with the residual
+as error feedback (the residual accumulates velocities, not gradients); after the exchange u is zeroed
+at the elements this rank sent (momentum factor masking). The hook then returns the mean of the sent
+velocities, so the optimizer must NOT add momentum again: use ``torch.optim.SGD(params, lr)`` (momentum
+0; weight decay is fine) where the script used ``SGD(params, lr, momentum=m)``. The hook cannot see the
+optimizer, so this is not checked. Velocities are kept per parameter like residuals (they follow DDP's
+bucket rebuild, are in ``state_dict`` and restore exactly) and are rolled back with residuals on a
+skipped step.
+
+Exact resume: residuals (and velocities) always restore exactly. Thresholds are per bucket; a fresh DDP runs its first
 iteration on its initial bucket layout, so training continues bit for bit when that layout holds the same
 groups of parameters as the layout at the checkpoint (true when DDP's rebuild keeps the composition, e.g.
 a model in one bucket); otherwise each initial bucket starts from the threshold saved for its first
@@ -40,7 +52,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from gradshare.comm import Channel, exchange_async
+from gradshare.comm import Channel, exchange_async, zero_sent
 from gradshare.stats import Statistics, StepRecord, residual_norm
 from gradshare.thresholds import Adaptive, ResidualClipping, Threshold, as_threshold
 
@@ -48,15 +60,17 @@ _NONFINITE = ("raise", "skip")
 
 
 class _Bucket:
-    """Residual, backup and threshold for one composition of parameters (one DDP bucket)."""
+    """Residual, velocity, backups and threshold for one composition of parameters (one DDP bucket)."""
 
-    def __init__(self, params, sids, offsets, residual, threshold):
+    def __init__(self, params, sids, offsets, residual, threshold, velocity=None):
         self.params = list(params)          # strong refs keep the ids used as keys valid
         self.sids = sids
         self.offsets = offsets
         self.residual = residual
+        self.velocity: Optional[torch.Tensor] = velocity      # momentum correction only
         self.threshold = threshold
         self.backup: Optional[torch.Tensor] = None
+        self.velocity_backup: Optional[torch.Tensor] = None
 
 
 class ThresholdState:
@@ -71,13 +85,20 @@ class ThresholdState:
         average: return the mean (True, what DDP does) or the sum of what the ranks sent.
         fallback: "auto" / "never" / "always" dense allreduce (gradshare.comm).
         stats: a Statistics to record into (default: a new one, ``state.stats``).
+        momentum: None (default, off) or m in [0, 1): DGC momentum correction with factor masking (module
+            docstring); the optimizer must then run without momentum. Typical: the momentum the script's
+            SGD used (0.9), with ``Adaptive(..., warmup_steps=...)`` for the first steps.
     """
 
     def __init__(self, process_group=None, threshold: Optional[Threshold] = Adaptive(),
                  clipping: Optional[ResidualClipping] = ResidualClipping(), nonfinite: str = "raise", *,
-                 average: bool = True, fallback: str = "auto", stats: Optional[Statistics] = None):
+                 average: bool = True, fallback: str = "auto", stats: Optional[Statistics] = None,
+                 momentum: Optional[float] = None):
         if nonfinite not in _NONFINITE:
             raise ValueError(f"nonfinite: expected 'raise' or 'skip', got {nonfinite!r}")
+        if momentum is not None and not 0.0 <= float(momentum) < 1.0:
+            raise ValueError(f"momentum: expected None or a value in [0, 1), got {momentum}")
+        self.momentum = None if momentum is None else float(momentum)
         self.process_group = process_group
         self.threshold = as_threshold(threshold).clone()
         self.clipping = copy.deepcopy(clipping)
@@ -92,6 +113,7 @@ class ThresholdState:
         self._home: Dict[int, tuple] = {}          # id(param) -> (bucket key, offset)
         self._sid: Dict[int, int] = {}             # id(param) -> stable position
         self._pending_residuals: Dict[int, torch.Tensor] = {}
+        self._pending_velocities: Dict[int, torch.Tensor] = {}
         self._pending_thresholds: Dict[int, Dict[str, Any]] = {}
 
     def _init_runtime(self) -> None:
@@ -129,6 +151,7 @@ class ThresholdState:
             offsets.append(off)
             off += k
         residual = torch.zeros(buffer.numel(), dtype=torch.float32, device=buffer.device)
+        velocity = torch.zeros_like(residual) if self.momentum is not None else None
         sids = [self._stable_id(p) for p in params]
         threshold = None
         for p, sid, o, k in zip(params, sids, offsets, numels):
@@ -136,6 +159,8 @@ class ThresholdState:
             if home is not None:
                 old = self._buckets[home[0]]
                 residual[o:o + k].copy_(old.residual[home[1]:home[1] + k])
+                if velocity is not None and old.velocity is not None:
+                    velocity[o:o + k].copy_(old.velocity[home[1]:home[1] + k])
                 if threshold is None:
                     threshold = old.threshold.clone()
             elif sid in self._pending_residuals:
@@ -143,12 +168,19 @@ class ThresholdState:
                 if saved.numel() != k:
                     raise ValueError(f"load_state_dict: parameter #{sid} has {k} elements, checkpoint {saved.numel()}")
                 residual[o:o + k].copy_(saved.view(-1))
+            if home is None and sid in self._pending_velocities:
+                saved = self._pending_velocities.pop(sid)
+                if velocity is not None:
+                    if saved.numel() != k:
+                        raise ValueError(f"load_state_dict: parameter #{sid} has {k} elements, velocity in the "
+                                         f"checkpoint {saved.numel()}")
+                    velocity[o:o + k].copy_(saved.view(-1))
             if threshold is None and sid in self._pending_thresholds:
                 threshold = self.threshold.clone()
                 threshold.load_state_dict(self._pending_thresholds[sid])
         for sid in sids:
             self._pending_thresholds.pop(sid, None)
-        b = _Bucket(params, sids, offsets, residual, threshold or self.threshold.clone())
+        b = _Bucket(params, sids, offsets, residual, threshold or self.threshold.clone(), velocity)
         self._buckets[key] = b
         for p, o in zip(params, offsets):
             self._home[id(p)] = (key, o)
@@ -159,18 +191,21 @@ class ThresholdState:
 
     # -- checkpoints -------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """Residuals by parameter position, thresholds per bucket, step counter, statistics totals."""
+        """Residuals (and velocities) by parameter position, thresholds per bucket, step counter, statistics."""
         residuals = {sid: t.clone() for sid, t in self._pending_residuals.items()}
+        velocities = {sid: t.clone() for sid, t in self._pending_velocities.items()}
         buckets = []
         for b in self._buckets.values():
             for sid, o, p in zip(b.sids, b.offsets, b.params):
                 residuals[sid] = b.residual[o:o + p.numel()].detach().cpu().clone()
+                if b.velocity is not None:
+                    velocities[sid] = b.velocity[o:o + p.numel()].detach().cpu().clone()
             buckets.append({"sids": list(b.sids), "threshold": b.threshold.state_dict()})
         pending = {sid: st for sid, st in self._pending_thresholds.items()}
         return {"iteration": self.iteration, "residuals": residuals, "buckets": buckets,
                 "pending_thresholds": pending, "template": self.threshold.state_dict(),
                 "clipping": None if self.clipping is None else self.clipping.state_dict(),
-                "stats": self.stats.state_dict()}
+                "stats": self.stats.state_dict(), "momentum": self.momentum, "velocities": velocities}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore; the buckets are rebuilt from it at the next backward (before or after DDP's rebuild)."""
@@ -180,6 +215,7 @@ class ThresholdState:
             self.clipping.load_state_dict(state["clipping"])
         self.stats.load_state_dict(state["stats"])
         self._pending_residuals = {int(k): v.detach().clone() for k, v in state["residuals"].items()}
+        self._pending_velocities = {int(k): v.detach().clone() for k, v in state.get("velocities", {}).items()}
         self._pending_thresholds = {int(k): v for k, v in state.get("pending_thresholds", {}).items()}
         for b in state["buckets"]:
             for sid in b["sids"]:
@@ -190,7 +226,7 @@ class ThresholdState:
 
     def __getstate__(self):
         return {"config": {"threshold": self.threshold, "clipping": self.clipping, "nonfinite": self.nonfinite,
-                           "average": self.average, "fallback": self.fallback},
+                           "average": self.average, "fallback": self.fallback, "momentum": self.momentum},
                 "stats_config": {"max_records": self.stats.records.maxlen, "norm_every": self.stats.norm_every,
                                  "log_every": self.stats.log_every},
                 "state": self.state_dict()}
@@ -198,7 +234,7 @@ class ThresholdState:
     def __setstate__(self, d):
         cfg = d["config"]
         self.__init__(None, cfg["threshold"], cfg["clipping"], cfg["nonfinite"], average=cfg["average"],
-                      fallback=cfg["fallback"], stats=Statistics(**d["stats_config"]))
+                      fallback=cfg["fallback"], stats=Statistics(**d["stats_config"]), momentum=cfg.get("momentum"))
         self.load_state_dict(d["state"])
 
     # -- one iteration ---------------------------------------------------------------------------------
@@ -212,8 +248,12 @@ class ThresholdState:
             if skipped:
                 if b.backup is not None:
                     b.residual.copy_(b.backup)
+                if b.velocity_backup is not None:
+                    b.velocity.copy_(b.velocity_backup)
             else:
                 b.threshold.observe(r.count, r.n, r.message_format)
+                if b.velocity is not None:
+                    zero_sent(b.velocity, r)          # momentum factor masking
             self.stats.add(StepRecord(step=step, bucket=idx, n=r.n, tau=r.tau, count=r.count, density=r.density,
                                       format=r.format, bytes_sent=r.bytes_sent, dense_bytes=r.dense_bytes,
                                       residual_norm=residual_norm(b.residual) if want_norm else None))
@@ -232,9 +272,16 @@ def threshold_hook(state: ThresholdState, bucket: dist.GradBucket) -> torch.futu
     b = state.bucket_for(bucket.parameters(), buf)
     if state.nonfinite == "skip" and b.backup is None:
         b.backup = torch.empty_like(b.residual)
+    update = buf
+    if b.velocity is not None:                    # momentum correction: encode u = m*u + g
+        if state.nonfinite == "skip":
+            if b.velocity_backup is None:
+                b.velocity_backup = torch.empty_like(b.velocity)
+            b.velocity_backup.copy_(b.velocity)
+        update = b.velocity.mul_(state.momentum).add_(buf.view(-1))
     step = state.iteration
     clip = state.clipping.factor(step) if state.clipping is not None else None
-    fut = exchange_async(buf, b.residual, b.threshold.tau, out=buf, channel=state.channel(),
+    fut = exchange_async(update, b.residual, b.threshold.tau, out=buf, channel=state.channel(),
                          group=state.process_group, average=state.average, clip=clip,
                          fallback=state.fallback, backup=b.backup, nonfinite=state.nonfinite, step=step,
                          name=f"DDP bucket {bucket.index()}")

@@ -8,6 +8,7 @@ pure-torch reference in gradshare.reference is used, with a warning.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import List, Optional, Sequence, Union
 
 import numpy as np
@@ -34,12 +35,19 @@ class NonFiniteError(FloatingPointError):
 # Argument checks
 # ---------------------------------------------------------------------------------------------------
 
-def _as_tensor(x, name: str) -> torch.Tensor:
+def _as_tensor(x, name: str, written: bool = False) -> torch.Tensor:
+    """A torch view of ``x`` (numpy arrays share memory). ``written``: the op writes into it."""
     if isinstance(x, torch.Tensor):
         return x
     if isinstance(x, np.ndarray):
         if not x.flags.c_contiguous:
             raise ValueError(f"{name}: numpy array must be C-contiguous")
+        if not x.flags.writeable:
+            if written:
+                raise ValueError(f"{name}: numpy array is read-only but this op writes into it")
+            with warnings.catch_warnings():  # torch warns about read-only arrays; we only read this one
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.from_numpy(x)
         return torch.from_numpy(x)
     raise TypeError(f"{name}: expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
 
@@ -61,23 +69,55 @@ def _check_same_device(a: torch.Tensor, b: torch.Tensor, na: str, nb: str) -> No
         raise ValueError(f"{nb}: on {b.device} but {na} is on {a.device}")
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when the memory of a and b intersects (same device)."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    if a0 == 0 or b0 == 0:  # no real storage (fake / meta tensors)
+        return False
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def _check_tau(tau) -> float:
     try:
         t = float(tau)
     except (TypeError, ValueError):
         raise TypeError(f"tau: expected a float, got {type(tau).__name__}") from None
-    if not (t > 0 and math.isfinite(t)) or not (np.float32(t) > 0 and np.isfinite(np.float32(t))):
+    with np.errstate(over="ignore", under="ignore"):
+        t32 = np.float32(t)
+    if not (t > 0 and math.isfinite(t)) or not (t32 > 0 and np.isfinite(t32)):
         raise ValueError(f"tau: must be a positive finite float32, got {tau}")
-    return float(np.float32(t))
+    return float(t32)
 
 
-def _check_update_residual(update, residual):
-    update, residual = _as_tensor(update, "update"), _as_tensor(residual, "residual")
+def _check_clip(clip, tau: float) -> float:
+    """The clipping factor c (0.0 = none); c * tau must be a positive finite float32."""
+    if clip is None:
+        return 0.0
+    try:
+        c = float(clip)
+    except (TypeError, ValueError):
+        raise TypeError(f"clip: expected a float factor or None, got {type(clip).__name__}") from None
+    if not (c > 0 and math.isfinite(c)):
+        raise ValueError(f"clip: must be a positive finite factor or None, got {clip}")
+    with np.errstate(over="ignore", under="ignore"):
+        bound = reference.clip_value(tau, c)
+    if not (bound > 0 and math.isfinite(bound)):
+        raise ValueError(f"clip: clip * tau = {c} * {tau} is not a positive finite float32 (clipping would be "
+                         "disabled or unbounded)")
+    return c
+
+
+def _check_update_residual(update, residual, residual_written: bool = True):
+    update, residual = _as_tensor(update, "update"), _as_tensor(residual, "residual", residual_written)
     _check_flat(update, "update", (torch.float32, torch.float16, torch.bfloat16))
     _check_flat(residual, "residual", (torch.float32,))
     _check_same_device(update, residual, "update", "residual")
     if residual.numel() != update.numel():
         raise ValueError(f"residual: {residual.numel()} elements but update has {update.numel()}")
+    if residual_written and _overlap(update, residual):
+        raise ValueError("residual: shares memory with update; pass separate buffers")
     return update, residual
 
 
@@ -85,8 +125,7 @@ def _check_update_residual(update, residual):
 # Custom ops (what torch.compile sees). Inputs here are already checked.
 # ---------------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("gradshare::encode", mutates_args=("residual",))
-def _encode_op(update: torch.Tensor, residual: torch.Tensor, tau: float, clip: float, choice: int) -> torch.Tensor:
+def _encode_impl(update: torch.Tensor, residual: torch.Tensor, tau: float, clip: float, choice: int) -> torch.Tensor:
     # clip: the clipping factor c (<= 0: none); the kernels take the bound c * tau rounded to float32.
     n = update.numel()
     if not _native.available():
@@ -102,14 +141,16 @@ def _encode_op(update: torch.Tensor, residual: torch.Tensor, tau: float, clip: f
     return out[:length].clone() if 4 * length < cap else out[:length]
 
 
+_encode_op = torch.library.custom_op("gradshare::encode", _encode_impl, mutates_args=("residual",))
+
+
 @_encode_op.register_fake
 def _(update, residual, tau, clip, choice):
     ctx = torch.library.get_ctx()
     return update.new_empty(ctx.new_dynamic_size(), dtype=torch.int32)
 
 
-@torch.library.custom_op("gradshare::count", mutates_args=())
-def _count_op(update: torch.Tensor, residual: torch.Tensor, tau: float) -> torch.Tensor:
+def _count_impl(update: torch.Tensor, residual: torch.Tensor, tau: float) -> torch.Tensor:
     if _native.available():
         c, bad = _native.count(update, residual, tau)
     else:
@@ -117,17 +158,22 @@ def _count_op(update: torch.Tensor, residual: torch.Tensor, tau: float) -> torch
     return torch.tensor([c, bad], dtype=torch.int64)
 
 
+_count_op = torch.library.custom_op("gradshare::count", _count_impl, mutates_args=())
+
+
 @_count_op.register_fake
 def _(update, residual, tau):
     return torch.empty(2, dtype=torch.int64)
 
 
-@torch.library.custom_op("gradshare::decode", mutates_args=("dst",))
-def _decode_op(dst: torch.Tensor, rows: torch.Tensor, scale: float) -> None:
+def _decode_impl(dst: torch.Tensor, rows: torch.Tensor, scale: float) -> None:
     if _native.available():
         _native.decode(dst, rows if rows.device == dst.device else rows.to(dst.device), scale)
     else:
         reference.decode(dst.view(-1), rows, scale)
+
+
+_decode_op = torch.library.custom_op("gradshare::decode", _decode_impl, mutates_args=("dst",))
 
 
 @_decode_op.register_fake
@@ -135,17 +181,29 @@ def _(dst, rows, scale):
     return None
 
 
-@torch.library.custom_op("gradshare::average", mutates_args=("out",))
-def _average_op(out: torch.Tensor, buffers: List[torch.Tensor], weights: Optional[List[float]]) -> None:
+def _average_impl(out: torch.Tensor, buffers: List[torch.Tensor], weights: Optional[List[float]]) -> None:
     if _native.available():
         _native.average(out, buffers, weights)
     else:
         out.copy_(reference.average([b.view(-1) for b in buffers], weights).view_as(out))
 
 
+_average_op = torch.library.custom_op("gradshare::average", _average_impl, mutates_args=("out",))
+
+
 @_average_op.register_fake
 def _(out, buffers, weights):
     return None
+
+
+def _run(op, impl, *args):
+    """Eager calls on plain tensors go straight to the implementation: the custom-op dispatcher costs
+    tens of microseconds a call, which small DDP buckets feel. Tracing (torch.compile, fake tensors,
+    dispatch modes) goes through the registered op."""
+    plain = all(type(a) is torch.Tensor for a in args if isinstance(a, torch.Tensor))
+    if plain and not torch.compiler.is_compiling() and not torch._C._is_torch_function_mode_enabled():
+        return impl(*args)
+    return op(*args)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -172,16 +230,15 @@ def encode(update: ArrayLike, residual: ArrayLike, tau: float, *, clip: Optional
         One int32 message (see gradshare.message), indices ascending whatever the thread count.
     """
     as_numpy = isinstance(update, np.ndarray)
-    update, residual = _check_update_residual(update, residual)
+    update, residual = _check_update_residual(update, residual, residual_written=True)
     tau = _check_tau(tau)
-    if clip is not None and not (float(clip) > 0 and math.isfinite(float(clip))):
-        raise ValueError(f"clip: must be a positive finite factor or None, got {clip}")
-    if format not in msgfmt.FORMAT_CHOICES:
+    clip = _check_clip(clip, tau)
+    if not isinstance(format, str) or format not in msgfmt.FORMAT_CHOICES:
         raise ValueError(f"format: expected one of {sorted(msgfmt.FORMAT_CHOICES)}, got {format!r}")
     if on_nonfinite not in ("raise", "flag"):
         raise ValueError(f"on_nonfinite: expected 'raise' or 'flag', got {on_nonfinite!r}")
-    out = torch.ops.gradshare.encode(update.view(-1), residual.view(-1), tau, 0.0 if clip is None else float(clip),
-                                     msgfmt.FORMAT_CHOICES[format])
+    out = _run(_encode_op, _encode_impl, update.view(-1), residual.view(-1), tau, clip,
+               msgfmt.FORMAT_CHOICES[format])
     if on_nonfinite == "raise" and int(out[1]) == NONFINITE:
         raise NonFiniteError(int(out[3]))
     return out.cpu().numpy() if as_numpy else out
@@ -192,8 +249,8 @@ def count(update: ArrayLike, residual: ArrayLike, tau: float) -> int:
 
     Raises NonFiniteError when residual + update holds NaN or Inf.
     """
-    update, residual = _check_update_residual(update, residual)
-    c, bad = torch.ops.gradshare.count(update.view(-1), residual.view(-1), _check_tau(tau)).tolist()
+    update, residual = _check_update_residual(update, residual, residual_written=False)
+    c, bad = _run(_count_op, _count_impl, update.view(-1), residual.view(-1), _check_tau(tau)).tolist()
     if bad >= 0:
         raise NonFiniteError(bad)
     return c
@@ -226,13 +283,13 @@ def decode(dst: ArrayLike, messages, *, scale: float = 1.0) -> None:
     all-gather returns). Every message is validated before anything is written: a malformed one raises
     MessageError naming it and its fault, and leaves ``dst`` unchanged.
     """
-    dst = _as_tensor(dst, "dst")
+    dst = _as_tensor(dst, "dst", written=True)
     _check_flat(dst, "dst", (torch.float32,))
     s = float(scale)
     if not math.isfinite(s):
         raise ValueError(f"scale: must be finite, got {scale}")
     rows = _message_rows(messages, dst.device)
-    torch.ops.gradshare.decode(dst.view(-1), rows, s)
+    _run(_decode_op, _decode_impl, dst.view(-1), rows, s)
 
 
 def average(buffers: Sequence[ArrayLike], *, weights: Optional[Sequence[float]] = None,
@@ -256,12 +313,15 @@ def average(buffers: Sequence[ArrayLike], *, weights: Optional[Sequence[float]] 
             raise ValueError(f"weights: {len(weights)} weights for {len(ts)} buffers")
         if not all(math.isfinite(w) for w in weights):
             raise ValueError("weights: must be finite")
-    o = torch.empty_like(ts[0]) if out is None else _as_tensor(out, "out")
+    o = torch.empty_like(ts[0]) if out is None else _as_tensor(out, "out", written=True)
     _check_flat(o, "out", (torch.float32,))
     _check_same_device(ts[0], o, "buffers[0]", "out")
     if o.numel() != ts[0].numel():
         raise ValueError(f"out: {o.numel()} elements but the buffers have {ts[0].numel()}")
-    torch.ops.gradshare.average(o.view(-1), [t.view(-1) for t in ts], weights)
+    for i, t in enumerate(ts):  # the kernel reads each element before writing it: only exact aliasing is safe
+        if _overlap(o, t) and o.data_ptr() != t.data_ptr():
+            raise ValueError(f"out: overlaps buffers[{i}] at an offset; pass that very buffer or separate memory")
+    _run(_average_op, _average_impl, o.view(-1), [t.view(-1) for t in ts], weights)
     if out is not None:
         return out
     return o.numpy() if as_numpy else o

@@ -35,6 +35,16 @@ is still caught by the exchange; parameters and residuals are restored, the inne
 advanced). With "raise", residuals of buckets exchanged earlier in the failed step are not restored:
 reload a checkpoint to continue.
 
+Momentum correction (``momentum=m``, mode="gradients" only; Deep Gradient Compression, Lin et al. 2018):
+with a momentum SGD as inner optimizer, momentum is applied AFTER sparsification, and at high compression
+that costs accuracy. With ``momentum=m`` each bucket keeps a local velocity u = m*u + g of this rank's
+gradient, encodes u (the residual accumulates velocities), zeroes u where this rank sent (momentum factor
+masking), and hands the decoded mean to an inner optimizer WITHOUT momentum: write
+``SharedOptimizer(torch.optim.SGD(params, lr), momentum=0.9)`` instead of ``SGD(params, lr, momentum=0.9)``.
+The constructor raises ValueError if an inner param group has momentum > 0. Velocities are in
+``state_dict`` and are rolled back on a skipped step. Pair it with a density warm-up
+(``Adaptive(..., warmup_steps=K)``, gradshare.thresholds).
+
 Buckets are fixed when the wrapper is built: parameter groups added later are not shared.
 """
 from __future__ import annotations
@@ -45,7 +55,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from gradshare.comm import NonFiniteStepError, exchange
+from gradshare.comm import NonFiniteStepError, exchange, zero_sent
 from gradshare.stats import Statistics, StepRecord, residual_norm
 from gradshare.thresholds import Adaptive, ResidualClipping, Threshold, as_threshold
 
@@ -67,6 +77,8 @@ class _Bucket:
         self.flat = torch.zeros(self.n, dtype=torch.float32, device=dev)
         self.residual = torch.zeros(self.n, dtype=torch.float32, device=dev)
         self.backup = torch.empty(self.n, dtype=torch.float32, device=dev) if skip else None
+        self.velocity: Optional[torch.Tensor] = None           # momentum correction only
+        self.velocity_backup: Optional[torch.Tensor] = None
         self.snapshot: Optional[torch.Tensor] = None
         self.threshold = threshold
 
@@ -101,6 +113,8 @@ class SharedOptimizer:
         reduce: "mean" (default) or "sum" (DL4J) of the ranks' contributions.
         bucket_cap_mb: bucket size cap (fp32 MiB). fallback: "auto" / "never" / "always" dense path.
         stats: a Statistics to record into (default: a new one, ``opt.stats``).
+        momentum: None (default, off) or m in [0, 1): DGC momentum correction with factor masking, mode
+            "gradients" only; the inner optimizer must have no momentum (module docstring).
 
     The wrapper forwards ``param_groups``, ``state``, ``zero_grad``; give LR schedulers ``opt.optimizer``.
     """
@@ -109,9 +123,21 @@ class SharedOptimizer:
                  threshold: Optional[Threshold] = Adaptive(),
                  clipping: Optional[ResidualClipping] = ResidualClipping(), process_group=None,
                  nonfinite: str = "raise", *, reduce: str = "mean", bucket_cap_mb: float = 25.0,
-                 fallback: str = "auto", stats: Optional[Statistics] = None):
+                 fallback: str = "auto", stats: Optional[Statistics] = None, momentum: Optional[float] = None):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        if momentum is not None:
+            if not 0.0 <= float(momentum) < 1.0:
+                raise ValueError(f"momentum: expected None or a value in [0, 1), got {momentum}")
+            if mode != "gradients":
+                raise ValueError('momentum correction needs mode="gradients" (in "updates" mode the inner '
+                                 "optimizer's own momentum is local already)")
+            inner = [g.get("momentum", 0) for g in optimizer.param_groups if g.get("momentum", 0)]
+            if inner:
+                raise ValueError(f"momentum={momentum}: the inner optimizer has momentum={inner[0]}; with "
+                                 "momentum correction the velocity lives in SharedOptimizer, give the inner "
+                                 "optimizer momentum=0 (e.g. torch.optim.SGD(params, lr))")
+        self.momentum = None if momentum is None else float(momentum)
         if nonfinite not in ("raise", "skip"):
             raise ValueError(f"nonfinite: expected 'raise' or 'skip', got {nonfinite!r}")
         if reduce not in ("mean", "sum"):
@@ -128,6 +154,11 @@ class SharedOptimizer:
         self.step_count = 0
         self.step_skipped = False
         self._buckets = self._make_buckets(bucket_cap_mb)
+        if self.momentum is not None:
+            for b in self._buckets:
+                b.velocity = torch.zeros_like(b.residual)
+                if nonfinite == "skip":
+                    b.velocity_backup = torch.empty_like(b.residual)
 
     def _make_buckets(self, cap_mb: float) -> List[_Bucket]:
         cap = max(1, int(cap_mb * 2**20 / 4))
@@ -216,6 +247,10 @@ class SharedOptimizer:
         done = []
         for b in self._buckets:
             buf = buffer_of(b)
+            if b.velocity is not None:                # momentum correction: encode u = m*u + g
+                if b.velocity_backup is not None:
+                    b.velocity_backup.copy_(b.velocity)
+                buf = b.velocity.mul_(self.momentum).add_(buf)
             try:
                 r = exchange(buf, b.residual, b.threshold.tau, out=b.flat, group=self.process_group,
                              average=self.reduce == "mean", clip=clip, fallback=self.fallback, backup=b.backup,
@@ -227,6 +262,8 @@ class SharedOptimizer:
             if r.skipped:
                 if restore_params:
                     self._restore_params()
+                if b.velocity_backup is not None:
+                    b.velocity.copy_(b.velocity_backup)
                 self._skip(done + [(b, r)], reason="exchange")
                 return None
             done.append((b, r))
@@ -250,6 +287,8 @@ class SharedOptimizer:
         for b, r in done:
             if b.backup is not None and not r.skipped:
                 b.residual.copy_(b.backup)
+            if b.velocity_backup is not None and not r.skipped:
+                b.velocity.copy_(b.velocity_backup)
         for b, r in done:
             self.stats.add(self._record(b, r, skipped=True))
         self.step_skipped = True
@@ -264,6 +303,8 @@ class SharedOptimizer:
     def _finish_step(self, results) -> None:
         for b, r in results:
             b.threshold.observe(r.count, r.n, r.message_format)
+            if b.velocity is not None:
+                zero_sent(b.velocity, r)              # momentum factor masking
             self.stats.add(self._record(b, r))
         self.step_count += 1
         self.stats.end_step()
@@ -276,7 +317,9 @@ class SharedOptimizer:
                               "residuals": [b.residual.detach().cpu().clone() for b in self._buckets],
                               "thresholds": [b.threshold.state_dict() for b in self._buckets],
                               "clipping": None if self.clipping is None else self.clipping.state_dict(),
-                              "stats": self.stats.state_dict()}}
+                              "stats": self.stats.state_dict(), "momentum": self.momentum,
+                              "velocities": None if self.momentum is None else
+                              [b.velocity.detach().cpu().clone() for b in self._buckets]}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         g = state["gradshare"]
@@ -294,7 +337,14 @@ class SharedOptimizer:
             self.clipping.load_state_dict(g["clipping"])
         self.step_count = int(g["step"])
         self.stats.load_state_dict(g["stats"])
+        for b in self._buckets:
+            if b.velocity is not None:
+                b.velocity.zero_()
+        if self.momentum is not None and g.get("velocities") is not None:
+            for b, v in zip(self._buckets, g["velocities"]):
+                b.velocity.copy_(v)
 
     def __repr__(self) -> str:
         return (f"SharedOptimizer({type(self.optimizer).__name__}, mode={self.mode!r}, buckets={len(self._buckets)}, "
-                f"threshold={self.threshold!r}, clipping={self.clipping!r}, reduce={self.reduce!r})")
+                f"threshold={self.threshold!r}, clipping={self.clipping!r}, reduce={self.reduce!r}, "
+                f"momentum={self.momentum!r})")

@@ -90,7 +90,9 @@ def validate(row: torch.Tensor, n: int, scale: float = 1.0) -> msgfmt.MessageInf
         raise ValueError("message count is negative or larger than n")
     if not (info.tau > 0 and np.isfinite(info.tau)):
         raise ValueError("message tau is not a positive finite float")
-    if not np.isfinite(np.float32(info.tau) * np.float32(scale)):
+    with np.errstate(over="ignore"):
+        entry = np.float32(info.tau) * np.float32(scale)
+    if not np.isfinite(entry):
         raise ValueError("message tau * scale overflows float32")
     if info.words > row.numel():
         raise ValueError("message payload runs past the end of its row")

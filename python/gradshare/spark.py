@@ -17,7 +17,8 @@ workers cannot import is shipped by value only if registered with
 ``pyspark.cloudpickle.register_pickle_by_value(module)`` (pyspark's own copy of cloudpickle).
 
 Results. Rank 0's return value is returned. In local mode every rank writes the result file and the last rank
-to finish wins: the function must return the same value on every rank.
+to finish wins: the function must return the same value on every rank, which ``gradshare.cluster.run``
+ensures (it hands every rank rank 0's result).
 
 Failures (measured with pyspark 4.3.0 here, see tests/test_spark.py). Spark does not restart a failed torch
 worker, and TorchDistributor runs torchrun without ``--max-restarts``:
@@ -27,9 +28,9 @@ worker, and TorchDistributor runs torchrun without ``--max-restarts``:
   training. View stdout logs ...") with the traceback only in the job's output. Nothing is retried.
 - Barrier mode (``local-cluster``, real clusters): the failed task fails the barrier stage, Spark kills the
   other tasks and aborts the job: "Job aborted due to stage failure: Could not recover from a failed barrier
-  ResultStage". TorchDistributor's job is a single barrier ResultStage, which Spark never resubmits
-  (it only retries barrier ShuffleMapStages), whatever ``spark.task.maxFailures`` or
-  ``spark.stage.maxConsecutiveAttempts`` say. Each worker ran exactly once.
+  ResultStage". TorchDistributor's job is a single barrier ResultStage, and Spark's DAGScheduler aborts a
+  failed barrier ResultStage outright (only barrier ShuffleMapStages are resubmitted), so no retry setting
+  brings it back. Each worker ran exactly once.
 
 So recovery is this module's: ``run(..., max_retries=N)`` reruns the whole distributed job after a failure,
 up to N times. Every rerun starts all workers afresh; with ``gradshare.cluster.run`` and a ``checkpoint_dir``
@@ -65,6 +66,11 @@ def session(master: str = "local[2]", app_name: str = "gradshare", conf: Optiona
     """
     from pyspark.sql import SparkSession
 
+    active = SparkSession.getActiveSession()
+    if active is not None and active.sparkContext.master != master:
+        # getOrCreate would silently hand back the running session, on the wrong master.
+        raise RuntimeError(f"a SparkSession on {active.sparkContext.master!r} is running; stop it or pass it as "
+                           f"spark= instead of asking for {master!r}")
     if bind_loopback is None:
         bind_loopback = _is_loopback_master(master)
     builder = SparkSession.builder.master(master).appName(app_name)

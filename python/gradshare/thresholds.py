@@ -17,6 +17,15 @@ gradshare keeps one threshold object per bucket (group of parameters): the DDP h
 SharedOptimizer clone the object the user passes (``th.clone()``) for every bucket. All ranks observe
 the same counts (the exchange shares them), so per-bucket thresholds stay identical on every rank.
 
+Density warm-up (Deep Gradient Compression, Lin et al. 2018): ``Adaptive(..., warmup_steps=K)`` and
+``TargetSparsity(..., warmup_steps=K)`` aim at a higher density during their first K observations, so
+early, fast-changing gradients are sent more completely. The density band (or target) is multiplied by
+``warmup_factor(s) = (warmup_density / max) ** (1 - s / K)`` for observation s < K (``max`` is
+max_sparsity, or the target), i.e. its upper edge falls exponentially from ``warmup_density`` (1/16 by
+default) to the configured value, and is the configured band from step K on. ``band(s)`` gives the
+exact values. Warm-up moves only the band: tau still changes by one factor ``decay`` per step, so pick
+K of the order of the number of steps tau needs to follow (tens to hundreds).
+
 ``ResidualClipping(c, every)`` is DL4J's residual post-processor: on steps where ``step % every == 0``
 the kept residual is clipped to [-c*tau, c*tau] (``factor(step)`` returns c then, else None).
 """
@@ -112,6 +121,23 @@ class Threshold:
         return f"{type(self).__name__}(tau={self._tau:.4g})"
 
 
+def _warmup_args(warmup_steps: int, warmup_density: float, top: float):
+    k = int(warmup_steps)
+    if k < 0:
+        raise ValueError(f"warmup_steps: must be >= 0, got {warmup_steps}")
+    d = _positive("warmup_density", warmup_density)
+    if k and not top <= d <= BITMAP_DENSITY:
+        raise ValueError(f"warmup_density: must be in [{top:g}, 1/16], got {warmup_density}")
+    return k, d
+
+
+def warmup_factor(step: int, warmup_steps: int, warmup_density: float, top: float) -> float:
+    """Factor on the density band at observation ``step`` (0-based): (warmup_density/top)**(1-step/K), then 1."""
+    if warmup_steps <= 0 or step >= warmup_steps:
+        return 1.0
+    return (warmup_density / top) ** (1.0 - step / warmup_steps)
+
+
 class Fixed(Threshold):
     """A constant tau. Use when the scale of what is encoded is known (or for reproducible benchmarks)."""
 
@@ -129,10 +155,15 @@ class Adaptive(Threshold):
     density > max_sparsity (too many, or a bitmap step) -> tau /= decay; otherwise tau stays.
     ``initial`` should be near the typical magnitude of what is encoded (gradients for the DDP hook and
     SharedOptimizer mode="gradients"; lr-scaled updates for mode="updates", where DL4J's 1e-3 fits).
+
+    ``warmup_steps`` K > 0: for the first K observations both band edges are multiplied by
+    ``(warmup_density / max_sparsity) ** (1 - s/K)`` (module docstring), so the band starts at
+    [min_sparsity * warmup_density / max_sparsity, warmup_density] and narrows exponentially to the
+    configured one. 0 (default): no warm-up.
     """
 
     def __init__(self, initial: float = 1e-3, min_sparsity: float = 1e-4, max_sparsity: float = 1e-2,
-                 decay: float = 0.965936):
+                 decay: float = 0.965936, *, warmup_steps: int = 0, warmup_density: float = BITMAP_DENSITY):
         super().__init__(initial)
         self.initial = self._tau
         self.min_sparsity = _positive("min_sparsity", min_sparsity)
@@ -142,25 +173,36 @@ class Adaptive(Threshold):
         self.decay = float(decay)
         if not 0 < self.decay < 1:
             raise ValueError(f"decay: must be in (0, 1), got {decay}")
+        self.warmup_steps, self.warmup_density = _warmup_args(warmup_steps, warmup_density, self.max_sparsity)
+
+    def band(self, step: int):
+        """(min, max) density band used at observation ``step`` (0-based), warm-up included."""
+        f = warmup_factor(step, self.warmup_steps, self.warmup_density, self.max_sparsity)
+        return self.min_sparsity * f, self.max_sparsity * f
 
     def _update(self, density: float) -> None:
-        if density < self.min_sparsity:
+        lo, hi = self.band(self.steps - 1)
+        if density < lo:
             self._tau *= self.decay
-        elif density > self.max_sparsity:
+        elif density > hi:
             self._tau /= self.decay
 
     def __repr__(self) -> str:
+        warm = f", warmup_steps={self.warmup_steps}" if self.warmup_steps else ""
         return (f"Adaptive(tau={self._tau:.4g}, min_sparsity={self.min_sparsity:g}, "
-                f"max_sparsity={self.max_sparsity:g}, decay={self.decay:g})")
+                f"max_sparsity={self.max_sparsity:g}, decay={self.decay:g}{warm})")
 
 
 class TargetSparsity(Threshold):
     """Steer the density towards one ``target`` (< 1/16): below it tau *= decay, above it tau /= decay.
 
     Use when a fixed traffic budget per step matters more than holding tau still (it never rests).
+    ``warmup_steps`` K > 0: the target at observation s < K is ``target * (warmup_density/target) **
+    (1 - s/K)`` (from warmup_density, default 1/16, down to ``target``). 0 (default): no warm-up.
     """
 
-    def __init__(self, initial: float = 1e-4, target: float = 1e-3, decay: float = 0.965936):
+    def __init__(self, initial: float = 1e-4, target: float = 1e-3, decay: float = 0.965936, *,
+                 warmup_steps: int = 0, warmup_density: float = BITMAP_DENSITY):
         super().__init__(initial)
         self.initial = self._tau
         self.target = _positive("target", target)
@@ -169,11 +211,17 @@ class TargetSparsity(Threshold):
         self.decay = float(decay)
         if not 0 < self.decay < 1:
             raise ValueError(f"decay: must be in (0, 1), got {decay}")
+        self.warmup_steps, self.warmup_density = _warmup_args(warmup_steps, warmup_density, self.target)
+
+    def target_at(self, step: int) -> float:
+        """The target density used at observation ``step`` (0-based), warm-up included."""
+        return self.target * warmup_factor(step, self.warmup_steps, self.warmup_density, self.target)
 
     def _update(self, density: float) -> None:
-        if density < self.target:
+        target = self.target_at(self.steps - 1)
+        if density < target:
             self._tau *= self.decay
-        elif density > self.target:
+        elif density > target:
             self._tau /= self.decay
 
     def __repr__(self) -> str:
