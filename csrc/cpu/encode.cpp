@@ -128,7 +128,8 @@ inline float kept_silent(float u, float clip) {
 // Block without hits: kept = u (clipped). A plain element-wise update, vectorised for every dtype.
 template <int DT, bool CLIP>
 inline void step_silent(const void* update, float* residual, int64_t b, int64_t len, float clip) {
-  for (int64_t j = 0; j < len; ++j) residual[b + j] = kept_silent<CLIP>(residual[b + j] + upd<DT>(update, b + j), clip);
+  for (int64_t j = 0; j < len; ++j)
+    residual[b + j] = kept_silent<CLIP>(residual[b + j] + upd<DT>(update, b + j), clip);
 }
 
 // Block with hits: threshold_step on each element; returns the mask of elements that went negative.
