@@ -96,7 +96,10 @@ def worker_args(a, contender: str, workload: str, out: str) -> List[str]:
             "--batch-size", str(a.batch_size), "--lr", str(a.lr), "--momentum", str(a.momentum), "--seed", str(a.seed),
             "--eval-every", str(a.eval_every), "--target", str(a.target),
             "--max-train-seconds", str(a.max_train_seconds), "--period", str(a.period),
-            "--powersgd-rank", str(a.powersgd_rank), "--initial-tau", str(a.initial_tau), "--out", out]
+            "--powersgd-rank", str(a.powersgd_rank), "--initial-tau", str(a.initial_tau),
+            "--dgc-initial-tau", str(a.dgc_initial_tau), "--dgc-decay", str(a.dgc_decay),
+            "--dgc-warmup-steps", str(a.dgc_warmup_steps),
+            "--dgc-clipping", str(a.dgc_clipping), "--out", out]
 
 
 def run_one(net, a, contender, workload, link, rundir) -> dict:
@@ -286,6 +289,10 @@ def main(argv=None) -> int:
     ap.add_argument("--period", type=int, default=5)
     ap.add_argument("--powersgd-rank", type=int, default=2)
     ap.add_argument("--initial-tau", type=float, default=1e-3)
+    ap.add_argument("--dgc-initial-tau", type=float, default=0.01, help="*_dgc contenders (momentum correction)")
+    ap.add_argument("--dgc-decay", type=float, default=0.8, help="*_dgc contenders: Adaptive decay per step")
+    ap.add_argument("--dgc-warmup-steps", type=int, default=0, help="*_dgc contenders: Adaptive warmup_steps")
+    ap.add_argument("--dgc-clipping", type=int, default=0, help="*_dgc contenders: 1 = ResidualClipping()")
     ap.add_argument("--timeout", type=float, default=900.0, help="hard limit per contender run, seconds")
     ap.add_argument("--no-netns", action="store_true", help="loopback torchrun (no root); bytes not comparable")
     ap.add_argument("--out", default="bench/results/e2e")

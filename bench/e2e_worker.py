@@ -40,6 +40,10 @@ CONTENDERS: Dict[str, str] = {
     "gradshare_hook": "DDP + gradshare threshold_hook (Adaptive, ResidualClipping)",
     "gradshare_optimizer": "gradshare SharedOptimizer (Adaptive, ResidualClipping)",
     "gradshare_averaging": "gradshare ParameterAveraging(frequency=period)",
+    "gradshare_hook_dgc": "DDP + gradshare threshold_hook with momentum correction (momentum moved into the hook, "
+                          "plain SGD), Adaptive(initial=dgc_initial_tau, decay=dgc_decay, warmup_steps=dgc_warmup_steps)",
+    "gradshare_optimizer_dgc": "gradshare SharedOptimizer(plain SGD, momentum=momentum), "
+                               "Adaptive(initial=dgc_initial_tau, decay=dgc_decay, warmup_steps=dgc_warmup_steps)",
 }
 WORKLOADS = ("mnist_cnn", "mlp")
 
@@ -48,6 +52,8 @@ def missing_reason(contender: str) -> Optional[str]:
     """Why a contender cannot run in this environment (its gradshare module is absent), else None."""
     need = {"gradshare_hook": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
             "gradshare_optimizer": ("gradshare.optim", ("SharedOptimizer",)),
+            "gradshare_hook_dgc": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
+            "gradshare_optimizer_dgc": ("gradshare.optim", ("SharedOptimizer",)),
             "gradshare_averaging": ("gradshare.averaging", ("ParameterAveraging",))}.get(contender)
     if contender not in CONTENDERS:
         return f"unknown contender {contender!r}"
@@ -149,7 +155,17 @@ def setup_contender(name: str, model: nn.Module, args, total_steps: int, timer: 
     sgd = lambda params: torch.optim.SGD(params, lr=args.lr, momentum=args.momentum)  # noqa: E731
     info: dict = {}
     account = lambda: None  # noqa: E731  (library's own byte accounting, where it has one)
-    if name in ("ddp_allreduce", "ddp_fp16", "ddp_powersgd", "gradshare_hook"):
+    plain_sgd = lambda params: torch.optim.SGD(params, lr=args.lr)  # noqa: E731  (momentum correction)
+
+    def dgc_config():
+        from gradshare.thresholds import Adaptive, ResidualClipping
+
+        info.update(momentum_correction=args.momentum, initial_tau=args.dgc_initial_tau, decay=args.dgc_decay,
+                    warmup_steps=args.dgc_warmup_steps, residual_clipping=args.dgc_clipping)
+        th = Adaptive(initial=args.dgc_initial_tau, decay=args.dgc_decay, warmup_steps=args.dgc_warmup_steps)
+        return th, (ResidualClipping() if args.dgc_clipping else None)
+
+    if name in ("ddp_allreduce", "ddp_fp16", "ddp_powersgd", "gradshare_hook", "gradshare_hook_dgc"):
         if name == "ddp_powersgd":
             # One bucket: on gloo, powerSGD_hook issues its Q allreduce from the P allreduce's callback, which
             # races with the next bucket's hook, so ranks can order collectives differently and gloo aborts
@@ -182,6 +198,15 @@ def setup_contender(name: str, model: nn.Module, args, total_steps: int, timer: 
             info["initial_tau"] = args.initial_tau
             account = lambda: {"bytes_sent": state.stats.bytes_sent, "dense_bytes": state.stats.dense_bytes,  # noqa
                                "summary": _jsonable(state.stats.summary())}
+        elif name == "gradshare_hook_dgc":
+            from gradshare.hooks import ThresholdState, threshold_hook
+
+            th, clipping = dgc_config()
+            state = ThresholdState(process_group=None, threshold=th, clipping=clipping, momentum=args.momentum)
+            ddp.register_comm_hook(state, timer.wrap(threshold_hook))
+            account = lambda: {"bytes_sent": state.stats.bytes_sent, "dense_bytes": state.stats.dense_bytes,  # noqa
+                               "summary": _jsonable(state.stats.summary())}
+            return ddp, plain_sgd(ddp.parameters()), info, account
         return ddp, sgd(ddp.parameters()), info, account
     if name == "torch_averaging":
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
@@ -197,6 +222,15 @@ def setup_contender(name: str, model: nn.Module, args, total_steps: int, timer: 
         opt = SharedOptimizer(sgd(model.parameters()), mode="gradients", threshold=Adaptive(initial=args.initial_tau),
                               clipping=ResidualClipping())
         info["initial_tau"] = args.initial_tau
+        account = lambda: {"bytes_sent": opt.stats.bytes_sent, "dense_bytes": opt.stats.dense_bytes,  # noqa: E731
+                           "summary": _jsonable(opt.stats.summary())}
+        return model, opt, info, account
+    if name == "gradshare_optimizer_dgc":
+        from gradshare.optim import SharedOptimizer
+
+        th, clipping = dgc_config()
+        opt = SharedOptimizer(plain_sgd(model.parameters()), mode="gradients", threshold=th, clipping=clipping,
+                              momentum=args.momentum)
         account = lambda: {"bytes_sent": opt.stats.bytes_sent, "dense_bytes": opt.stats.dense_bytes,  # noqa: E731
                            "summary": _jsonable(opt.stats.summary())}
         return model, opt, info, account
@@ -330,6 +364,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--period", type=int, default=5, help="averaging period (steps)")
     ap.add_argument("--powersgd-rank", type=int, default=2)
     ap.add_argument("--initial-tau", type=float, default=1e-3, help="gradshare Adaptive initial threshold")
+    ap.add_argument("--dgc-initial-tau", type=float, default=0.01,
+                    help="*_dgc contenders: Adaptive initial threshold (velocities are ~1/(1-momentum) x gradients)")
+    ap.add_argument("--dgc-decay", type=float, default=0.8, help="*_dgc contenders: Adaptive decay per step")
+    ap.add_argument("--dgc-warmup-steps", type=int, default=0, help="*_dgc contenders: Adaptive density warm-up")
+    ap.add_argument("--dgc-clipping", type=int, default=0, help="*_dgc contenders: 1 = ResidualClipping()")
     ap.add_argument("--out", required=True, help="JSON path per rank, with {rank}")
 
 

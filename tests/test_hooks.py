@@ -40,15 +40,19 @@ def _save(*objs) -> bytes:
     return buf.getvalue()
 
 
-def _train(steps, start=0, ckpts=None, save_at=None, cap_mb=25.0, nonfinite="raise", bad=None):
-    """DDP + threshold hook on rank-specific batches; optionally restores or saves a checkpoint."""
+def _train(steps, start=0, ckpts=None, save_at=None, cap_mb=25.0, nonfinite="raise", bad=None, momentum=None):
+    """DDP + threshold hook on rank-specific batches; optionally restores or saves a checkpoint.
+
+    ``momentum``: momentum correction in the hook (with a density warm-up) and an SGD without momentum.
+    """
     warnings.simplefilter("ignore")
     r = dist.get_rank()
     model = _net()
     ddp = DDP(model, bucket_cap_mb=cap_mb)
-    state = ThresholdState(threshold=Adaptive(initial=2e-2), nonfinite=nonfinite)
+    th = Adaptive(initial=2e-2) if momentum is None else Adaptive(initial=2e-2, warmup_steps=10)
+    state = ThresholdState(threshold=th, nonfinite=nonfinite, momentum=momentum)
     ddp.register_comm_hook(state, threshold_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9 if momentum is None else 0.0)
     if ckpts is not None:
         m, o, s = torch.load(io.BytesIO(ckpts[r]), weights_only=False)
         model.load_state_dict(m)
@@ -78,6 +82,8 @@ def _train(steps, start=0, ckpts=None, save_at=None, cap_mb=25.0, nonfinite="rai
     sd, sd2 = state.state_dict(), clone.state_dict()
     info["pickle_ok"] = (clone.process_group is None and sd2["iteration"] == sd["iteration"] and
                          all(torch.equal(sd["residuals"][k], sd2["residuals"][k]) for k in sd["residuals"]))
+    info["velocities"] = {k: v.numpy() for k, v in sd["velocities"].items()}     # numpy: crosses processes
+    info["velocities_pickled"] = {k: v.numpy() for k, v in sd2["velocities"].items()}
     return {"params": _flat(model), "saved": saved, "iteration": state.iteration, "buckets": len(state._buckets),
             "known_params": len(state._sid),
             "formats": dict(state.stats.format_counts), "bytes_sent": state.stats.bytes_sent,
@@ -317,3 +323,92 @@ def test_hook_under_lightning_ddp_strategy():
         assert iteration == 40 and exchanges >= 40            # 2 epochs x 20 batches went through the hook
         assert np.array_equal(params, res[0][2])
     assert not np.array_equal(res[0][2], _flat(_net()))
+
+
+# -- momentum correction (Deep Gradient Compression) -----------------------------------------------------
+def _train_dgc_small_buckets(steps):
+    return _train(steps, cap_mb=0.004, momentum=0.9)
+
+
+def _run_and_save_dgc(steps, save_at):
+    return _train(steps, save_at=save_at, momentum=0.9)
+
+
+def _resume_dgc(steps, start, ckpts):
+    return _train(steps, start=start, ckpts=ckpts, momentum=0.9)
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_hook_momentum_correction_keeps_replicas_identical_across_bucket_rebuild():
+    res = run_local(_train_dgc_small_buckets, 2, (40,), timeout=240)
+    for r in res:
+        assert np.array_equal(r["params"], res[0]["params"])
+        assert r["iteration"] == 40 and r["buckets"] >= 2
+        assert sorted(r["velocities"]) == list(range(6))      # one velocity per parameter, after the rebuild
+        assert _same(r["velocities"], r["velocities_pickled"])
+    assert not np.array_equal(res[0]["params"], res[0]["init"])
+    v0, v1 = res[0]["velocities"], res[1]["velocities"]
+    assert sum(float(np.abs(v).sum()) for v in v0.values()) > 0 and not _same(v0, v1)   # local velocities
+
+
+@pytest.mark.slow
+def test_hook_momentum_correction_checkpoint_restores_velocity_exactly():
+    full = run_local(_run_and_save_dgc, 2, (50, 20), timeout=240)
+    ckpts = [r["saved"] for r in full]
+    saved_v = {k: v.numpy() for k, v in torch.load(io.BytesIO(ckpts[0]), weights_only=False)[2]["velocities"].items()}
+    assert sorted(saved_v) == list(range(6)) and sum(float(np.abs(v).sum()) for v in saved_v.values()) > 0
+    resumed = run_local(_resume_dgc, 2, (50, 20, ckpts), timeout=240)
+    for a, b in zip(full, resumed):
+        assert np.array_equal(a["params"], b["params"])
+        assert _same(a["velocities"], b["velocities"])
+        assert b["iteration"] == 50 and a["bytes_sent"] == b["bytes_sent"]
+
+
+class _Dot(nn.Module):
+    """loss = w . x: the gradient of w is exactly x."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x):
+        return (self.w * x).sum()
+
+
+def _hook_masking_case():
+    from gradshare import Fixed
+
+    r = dist.get_rank()
+    model = _Dot()
+    ddp = DDP(model)
+    state = ThresholdState(threshold=Fixed(0.375), clipping=None, momentum=0.5,
+                          fallback="never")
+    ddp.register_comm_hook(state, threshold_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
+    g = torch.tensor([1.0, 0.125, 0.0, -0.5]) if r == 0 else torch.zeros(4)
+    out = []
+    for _ in range(2):
+        before = model.w.detach().clone()
+        opt.zero_grad()
+        ddp(g).backward()
+        opt.step()
+        sd = state.state_dict()
+        out.append({"applied": (before - model.w.detach()).tolist(), "velocity": sd["velocities"][0].tolist(),
+                    "residual": sd["residuals"][0].tolist()})
+    return out
+
+
+@pytest.mark.slow
+def test_hook_momentum_correction_masks_sent_elements():
+    r0, r1 = run_local(_hook_masking_case, 2, (), timeout=120)
+    # step 1: u = g; elements 0 and 3 reach tau = 0.375 and are sent; their velocity is zeroed
+    assert r0[0] == {"applied": [0.1875, 0.0, 0.0, -0.1875], "velocity": [0.0, 0.125, 0.0, 0.0],
+                     "residual": [0.625, 0.125, 0.0, -0.125]}
+    # step 2: u = 0.5 * u + g = [1, 0.1875, 0, -0.5]; residual + u = [1.625, 0.3125, 0, -0.625]
+    assert r0[1] == {"applied": [0.1875, 0.0, 0.0, -0.1875], "velocity": [0.0, 0.1875, 0.0, 0.0],
+                     "residual": [1.25, 0.3125, 0.0, -0.25]}
+    assert r1[1] == {"applied": [0.1875, 0.0, 0.0, -0.1875], "velocity": [0.0] * 4, "residual": [0.0] * 4}

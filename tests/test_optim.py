@@ -176,3 +176,93 @@ def test_updates_mode_averages_and_verify_replicas_names_the_parameter():
     res = run_local(_updates_mean_equals_sgd, 2, timeout=120)
     assert res[0][0] < 1e-5
     assert res[0][1] == ("2.bias", [1]) and res[1][1] == ("2.bias", [1])
+
+
+# -- momentum correction (Deep Gradient Compression) -----------------------------------------------------
+def _make_dgc(model, nonfinite="raise"):
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    th = Adaptive(initial=2e-2, warmup_steps=10)
+    return SharedOptimizer(inner, threshold=th, nonfinite=nonfinite, bucket_cap_mb=0.004, momentum=0.9)
+
+
+def _train_dgc(steps, start=0, ckpt=None, save_at=None):
+    warnings.simplefilter("ignore")
+    r = dist.get_rank()
+    model = _net()
+    opt = _make_dgc(model)
+    if ckpt is not None:
+        m, o = torch.load(io.BytesIO(ckpt[r]), weights_only=False)
+        model.load_state_dict(m)
+        opt.load_state_dict(o)
+    saved = None
+    for step in range(start, steps):
+        if step == save_at:
+            buf = io.BytesIO()
+            torch.save((model.state_dict(), opt.state_dict()), buf)
+            saved = buf.getvalue()
+        x, y = _batch(r, step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    verify_replicas(model)
+    return {"params": _flat(model), "saved": saved, "buckets": len(opt._buckets), "init": _flat(_net()),
+            "velocities": [b.velocity.numpy().copy() for b in opt._buckets],       # numpy: crosses processes
+            "residuals": [b.residual.numpy().copy() for b in opt._buckets], "stats": opt.stats.state_dict()}
+
+
+@pytest.mark.slow
+def test_momentum_correction_keeps_replicas_identical_and_restores_exactly():
+    full = run_local(_train_dgc, 2, (40, 0, None, 15), timeout=300)
+    a, b = full
+    assert np.array_equal(a["params"], b["params"]) and a["buckets"] >= 2
+    assert not np.array_equal(a["params"], a["init"])
+    # velocities are local: they differ between ranks and are not all zero
+    assert any(np.abs(v).sum() > 0 for v in a["velocities"])
+    assert any(not np.array_equal(u, v) for u, v in zip(a["velocities"], b["velocities"]))
+    ckpt = [r["saved"] for r in full]
+    resumed = run_local(_train_dgc, 2, (40, 15, ckpt), timeout=300)
+    for x, y in zip(full, resumed):
+        assert np.array_equal(x["params"], y["params"])
+        assert all(np.array_equal(u, v) for u, v in zip(x["velocities"], y["velocities"]))
+        assert all(np.array_equal(u, v) for u, v in zip(x["residuals"], y["residuals"]))
+        assert x["stats"] == y["stats"]
+
+
+def _masking_case():
+    """One 4-element parameter, Fixed tau 0.375, m 0.5, rank 0's gradient g, rank 1's zero, SGD lr 1."""
+    r = dist.get_rank()
+    w = nn.Parameter(torch.zeros(4))
+    opt = SharedOptimizer(torch.optim.SGD([w], lr=1.0), threshold=Fixed(0.375), clipping=None, momentum=0.5,
+                          fallback="never")
+    g = torch.tensor([1.0, 0.125, 0.0, -0.5]) if r == 0 else torch.zeros(4)
+    out = []
+    for _ in range(2):
+        before = w.detach().clone()
+        w.grad = g.clone()
+        opt.step()
+        b = opt._buckets[0]
+        out.append({"applied": (before - w.detach()).tolist(), "velocity": b.velocity.tolist(),
+                    "residual": b.residual.tolist()})
+    return out
+
+
+@pytest.mark.slow
+def test_momentum_correction_masks_sent_elements():
+    r0, r1 = run_local(_masking_case, 2, (), timeout=120)
+    # step 1: u = g; residual = g; elements 0 and 3 reach tau and are sent (+-tau), their velocity is zeroed
+    assert r0[0] == {"applied": [0.1875, 0.0, 0.0, -0.1875], "velocity": [0.0, 0.125, 0.0, 0.0],
+                     "residual": [0.625, 0.125, 0.0, -0.125]}
+    # step 2: u = 0.5 * u + g = [1, 0.1875, 0, -0.5]; residual + u = [1.625, 0.3125, 0, -0.625]
+    assert r0[1] == {"applied": [0.1875, 0.0, 0.0, -0.1875], "velocity": [0.0, 0.1875, 0.0, 0.0],
+                     "residual": [1.25, 0.3125, 0.0, -0.25]}
+    assert r1[1] == {"applied": [0.1875, 0.0, 0.0, -0.1875], "velocity": [0.0] * 4, "residual": [0.0] * 4}
+
+
+def test_momentum_correction_rejects_inner_momentum_and_updates_mode():
+    w = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="inner optimizer has momentum"):
+        SharedOptimizer(torch.optim.SGD([w], lr=0.1, momentum=0.9), momentum=0.9)
+    with pytest.raises(ValueError, match="gradients"):
+        SharedOptimizer(torch.optim.SGD([w], lr=0.1), mode="updates", momentum=0.9)
+    with pytest.raises(ValueError, match="momentum"):
+        SharedOptimizer(torch.optim.SGD([w], lr=0.1), momentum=1.0)

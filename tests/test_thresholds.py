@@ -113,3 +113,28 @@ def test_argument_checks():
         Adaptive().observe(1, 10, "nonfinite")
     assert isinstance(as_threshold(0.5), Fixed) and isinstance(as_threshold(None), Adaptive)
     assert math.isfinite(Adaptive(initial=1e-30).observe(0, 10, SPARSE))
+
+
+def test_density_warmup_schedule_values():
+    a = Adaptive(initial=1.0, min_sparsity=1e-4, max_sparsity=1e-2, warmup_steps=4)
+    f = (1 / 16) / 1e-2                                  # 6.25: the band starts with its top at 1/16
+    assert a.band(0) == (1e-4 * f, 1e-2 * f) and a.band(0)[1] == 1 / 16
+    assert a.band(2) == (1e-4 * 2.5, 1e-2 * 2.5)         # 6.25 ** 0.5 == 2.5 exactly
+    assert a.band(1) == (1e-4 * f ** 0.75, 1e-2 * f ** 0.75)
+    assert a.band(4) == a.band(100) == (1e-4, 1e-2)
+    assert Adaptive(warmup_steps=0).band(0) == (1e-4, 1e-2)
+    # density 0.03 at observation 0 is inside the warm band (tau stays), outside the plain one (tau rises)
+    a.observe(300, 10_000, SPARSE)
+    assert a.tau == 1.0
+    plain = Adaptive(initial=1.0)
+    plain.observe(300, 10_000, SPARSE)
+    assert plain.tau == 1.0 / 0.965936
+    # at observation 1 the band's low edge is 1e-4 * 6.25**0.75 = 3.95e-4: density 3e-4 lowers tau
+    a.observe(3, 10_000, SPARSE)
+    assert a.tau == 0.965936
+    t = TargetSparsity(target=1e-3, warmup_steps=2, warmup_density=4e-3)
+    assert (t.target_at(0), t.target_at(1), t.target_at(2)) == (1e-3 * 4.0, 1e-3 * 2.0, 1e-3)
+    with pytest.raises(ValueError):
+        Adaptive(warmup_steps=5, warmup_density=0.5)
+    with pytest.raises(ValueError):
+        Adaptive(warmup_steps=-1)

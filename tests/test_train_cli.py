@@ -1,12 +1,18 @@
 import csv
 import gzip
+import io
+import json
+import os
 import re
+import shlex
 import struct
 import sys
+from contextlib import redirect_stdout
 
 import numpy as np
 import pytest
 
+from gradshare import checkpoint
 from gradshare.cli import main
 from gradshare.train import build_config, parse_threshold
 
@@ -81,6 +87,10 @@ def test_bad_options_are_rejected(capsys):
         with pytest.raises(SystemExit):
             main(argv)
     assert main(["train", "--workers", "0"]) == 2
+    assert main(["train", "--max-restarts", "1"]) == 2                    # local cannot restart workers
+    assert main(["train", "--launcher", "torchrun", "--nnodes", "2"]) == 2  # multi-host needs a rendezvous
+    assert main(["train", "--rdzv-endpoint", "h:1"]) == 2                  # torchrun options need torchrun
+    assert main(["train", "--launcher", "torchrun", "--timeout", "0"]) == 2
 
 
 def test_threshold_specs_and_config():
@@ -93,3 +103,113 @@ def test_threshold_specs_and_config():
     cfg = build_config({"data": "mnist:/somewhere", "mode": "averaging", "optimizer": "sgd", "lr": 0.1})
     assert cfg.model.image_size == 28 and cfg.mode == "averaging" and cfg.optimizer[1]["momentum"] == 0.9
     assert build_config({}).epochs == 12
+
+
+# ------------------------------------------------------------------------------------------- launchers
+# One epoch on digits (23 steps of 2 x 32 samples): every launcher runs the same train_job per rank, with the
+# same seed, data shards and one torch thread per worker, so the runs agree to the last bit.
+TINY = ["train", "--epochs", "1", "--seed", "1", "--no-progress"]
+
+
+def _summary(out):
+    """The run's result lines: per-epoch table rows, final accuracy and bytes (wall time left out)."""
+    acc = re.search(r"final test accuracy: ([\d.]+)% \(test loss ([\d.]+)\)", out)
+    assert acc, out
+    rows = re.findall(r"^\s+1 .*$", out, flags=re.M)
+    sent = re.search(r"bytes sent \(all workers\): .*", out)
+    assert rows and sent, out
+    return acc.groups(), rows, sent.group(0)
+
+
+def _untimed(rows):
+    return [{k: v for k, v in r.items() if k not in ("seconds", "elapsed")} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    """The default local launcher on the tiny settings: (summary, per-step CSV rows of rank 0)."""
+    csv_path = tmp_path_factory.mktemp("local") / "steps.csv"
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        assert main(TINY + ["--metrics", str(csv_path)]) == 0
+    return _summary(buf.getvalue()), _read_csv(csv_path)
+
+
+def test_print_command_is_the_torchrun_job_each_host_can_run():
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        assert main(["train", "--launcher", "torchrun", "--workers", "3", "--epochs", "2", "--nnodes", "2",
+                     "--node-rank", "1", "--rdzv-endpoint", "10.0.0.1:29500", "--max-restarts", "2",
+                     "--checkpoint-dir", "/shared/ckpt", "--collective-timeout", "60", "--print-command"]) == 0
+    cmd = shlex.split(buf.getvalue())
+    assert cmd[:3] == ["python", "-m", "torch.distributed.run"]
+    for flag in ("--nproc_per_node=3", "--nnodes=2", "--node_rank=1", "--rdzv_endpoint=10.0.0.1:29500",
+                 "--max_restarts=2"):
+        assert flag in cmd
+    assert "--standalone" not in cmd
+    i = cmd.index("-m", 3)
+    assert cmd[i + 1:i + 3] == ["gradshare.cluster", "gradshare.train:train_job"]
+    config = json.loads(cmd[cmd.index("--config") + 1])
+    assert config["epochs"] == 2 and config["workers"] == 3
+    assert cmd[cmd.index("--checkpoint-dir") + 1] == "/shared/ckpt"
+    assert cmd[cmd.index("--checkpoint-every") + 1] == "100"  # the default once restarts are asked for
+    assert cmd[cmd.index("--collective-timeout") + 1] == "60"
+    # The cluster entry point accepts every option after the module name.
+    from gradshare.cluster import main as cluster_main
+
+    with pytest.raises(SystemExit) as info:
+        cluster_main(cmd[i + 2:] + ["--help"])
+    assert info.value.code == 0
+
+
+@pytest.mark.slow
+def test_torchrun_launcher_matches_local_and_checkpoints(tmp_path, capfd, local_run):
+    capfd.readouterr()
+    csv_path, ckpt_dir = tmp_path / "steps.csv", tmp_path / "ckpt"
+    assert main(TINY + ["--launcher", "torchrun", "--metrics", str(csv_path), "--checkpoint-dir", str(ckpt_dir),
+                        "--checkpoint-every", "10", "--timeout", "300"]) == 0
+    out = capfd.readouterr().out
+    assert "torchrun workers" in out and "wall time:" in out
+    assert _summary(out) == local_run[0]
+    assert _untimed(_read_csv(csv_path)) == _untimed(local_run[1])  # each step's loss, bytes, tau, format
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(ckpt_dir))] == \
+        ["ckpt-000000010.pt", "ckpt-000000020.pt"]
+
+
+@pytest.mark.slow
+def test_local_launcher_with_checkpoints_matches_plain_local(tmp_path, capsys, local_run):
+    ckpt_dir = tmp_path / "ckpt"
+    assert main(TINY + ["--checkpoint-dir", str(ckpt_dir), "--checkpoint-every", "20"]) == 0
+    assert _summary(capsys.readouterr().out) == local_run[0]
+    assert checkpoint.load_latest(str(ckpt_dir)).step == 20
+
+
+@pytest.mark.slow
+def test_torchrun_failure_is_reported_not_hidden(tmp_path, capfd):
+    # Every worker fails to read the data: torchrun exits non-zero and the command says so.
+    assert main(TINY + ["--launcher", "torchrun", "--data", f"mnist:{tmp_path}/missing", "--timeout", "120"]) == 1
+    err = capfd.readouterr().err
+    assert "torchrun failed with exit code" in err
+    assert "Traceback" in err  # the worker's own traceback reached the user
+
+
+def test_torchrun_timeout_stops_the_run(capfd):
+    assert main(TINY + ["--launcher", "torchrun", "--timeout", "1"]) == 1
+    assert "did not finish within --timeout 1 s" in capfd.readouterr().err
+
+
+def test_spark_launcher_without_pyspark_names_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "pyspark", None)
+    assert main(TINY + ["--launcher", "spark"]) == 1
+    assert "pip install gradshare[spark]" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_spark_launcher_matches_local(capfd, local_run):
+    for name in ("pyspark", "pandas", "pyarrow"):
+        pytest.importorskip(name)
+    capfd.readouterr()
+    assert main(TINY + ["--launcher", "spark"]) == 0   # master local[2]: TorchDistributor's torchrun on the driver
+    out = capfd.readouterr().out
+    assert "spark workers" in out
+    assert _summary(out) == local_run[0]

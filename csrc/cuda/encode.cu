@@ -168,11 +168,8 @@ EncodeResult encode_t(const void* update, float* residual, int64_t n, float tau,
   }
   if (r.nonfinite_index >= 0) return r;  // nothing written: the residual stays as it was
 
-  r.format = choice == kChooseAuto ? (prefer_sparse(r.count, n) ? kSparse : kBitmap) : choice;
+  r.format = choose_format(choice, r.count, n, capacity);
   const int64_t need = kHeaderWords + payload_words(r.format, n, r.count);
-  if (need > capacity)
-    throw std::invalid_argument("out: message needs " + std::to_string(need) + " words, capacity is " +
-                                std::to_string(capacity));
   header_kernel<<<1, 1, 0, stream>>>(out, r.format, n, r.count, tau);
   cuda::check_launch("header_kernel");
   if (n > 0) {  // even with no entries the residual takes the update (and the clipping)

@@ -72,4 +72,15 @@ inline void check_encode_args(int32_t dtype, int64_t n, float tau, float clip, i
   if (capacity < kHeaderWords) throw std::invalid_argument("out: capacity is smaller than the message header");
 }
 
+// The format an encode writes (kChooseAuto: the smaller payload) once the count is known; throws when
+// the message would not fit in `capacity` words. Shared by the CPU and CUDA encoders.
+inline int32_t choose_format(int32_t choice, int64_t count, int64_t n, int64_t capacity) {
+  const int32_t format = choice == kChooseAuto ? (prefer_sparse(count, n) ? kSparse : kBitmap) : choice;
+  const int64_t need = kHeaderWords + payload_words(format, n, count);
+  if (need > capacity)
+    throw std::invalid_argument("out: message needs " + std::to_string(need) + " words, capacity is " +
+                                std::to_string(capacity));
+  return format;
+}
+
 }  // namespace gs

@@ -36,13 +36,16 @@ velocities, so the optimizer must NOT add momentum again: use ``torch.optim.SGD(
 0; weight decay is fine) where the script used ``SGD(params, lr, momentum=m)``. The hook cannot see the
 optimizer, so this is not checked. Velocities are kept per parameter like residuals (they follow DDP's
 bucket rebuild, are in ``state_dict`` and restore exactly) and are rolled back with residuals on a
-skipped step.
+skipped step. Thresholds then see velocities, about 1/(1-m) times the gradient scale: start ``Adaptive``
+near that, let it adapt quickly, and prefer ``clipping=None`` (ResidualClipping's c*tau bound throws
+away accumulated velocity). The MNIST CNN benchmark (bench/e2e.py, m=0.9) uses
+``Adaptive(initial=0.01, decay=0.8)``, no clipping, no warm-up.
 
-Exact resume: residuals (and velocities) always restore exactly. Thresholds are per bucket; a fresh DDP runs its first
-iteration on its initial bucket layout, so training continues bit for bit when that layout holds the same
-groups of parameters as the layout at the checkpoint (true when DDP's rebuild keeps the composition, e.g.
-a model in one bucket); otherwise each initial bucket starts from the threshold saved for its first
-parameter and the run continues closely, not bitwise.
+Exact resume: residuals (and velocities) always restore exactly. Thresholds are per bucket; a fresh DDP
+runs its first iteration on its initial bucket layout, so training continues bit for bit when that
+layout holds the same groups of parameters as the layout at the checkpoint (true when DDP's rebuild
+keeps the composition, e.g. a model in one bucket); otherwise each initial bucket starts from the
+threshold saved for its first parameter and the run continues closely, not bitwise.
 """
 
 import copy
@@ -234,7 +237,8 @@ class ThresholdState:
     def __setstate__(self, d):
         cfg = d["config"]
         self.__init__(None, cfg["threshold"], cfg["clipping"], cfg["nonfinite"], average=cfg["average"],
-                      fallback=cfg["fallback"], stats=Statistics(**d["stats_config"]), momentum=cfg.get("momentum"))
+                      fallback=cfg["fallback"], stats=Statistics(**d["stats_config"]),
+                      momentum=cfg.get("momentum"))
         self.load_state_dict(d["state"])
 
     # -- one iteration ---------------------------------------------------------------------------------

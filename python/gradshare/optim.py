@@ -42,8 +42,10 @@ gradient, encodes u (the residual accumulates velocities), zeroes u where this r
 masking), and hands the decoded mean to an inner optimizer WITHOUT momentum: write
 ``SharedOptimizer(torch.optim.SGD(params, lr), momentum=0.9)`` instead of ``SGD(params, lr, momentum=0.9)``.
 The constructor raises ValueError if an inner param group has momentum > 0. Velocities are in
-``state_dict`` and are rolled back on a skipped step. Pair it with a density warm-up
-(``Adaptive(..., warmup_steps=K)``, gradshare.thresholds).
+``state_dict`` and are rolled back on a skipped step. Thresholds see velocities (about 1/(1-m) times the
+gradient scale: start ``Adaptive`` near that) and ``clipping=None`` keeps accumulated velocity that
+ResidualClipping would discard; see gradshare.hooks for what the MNIST CNN benchmark uses. A density
+warm-up (``Adaptive(..., warmup_steps=K)``, gradshare.thresholds) is available for the first steps.
 
 Buckets are fixed when the wrapper is built: parameter groups added later are not shared.
 """
@@ -123,7 +125,8 @@ class SharedOptimizer:
                  threshold: Optional[Threshold] = Adaptive(),
                  clipping: Optional[ResidualClipping] = ResidualClipping(), process_group=None,
                  nonfinite: str = "raise", *, reduce: str = "mean", bucket_cap_mb: float = 25.0,
-                 fallback: str = "auto", stats: Optional[Statistics] = None, momentum: Optional[float] = None):
+                 fallback: str = "auto", stats: Optional[Statistics] = None,
+                 momentum: Optional[float] = None):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
         if momentum is not None:

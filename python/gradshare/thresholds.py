@@ -24,7 +24,9 @@ early, fast-changing gradients are sent more completely. The density band (or ta
 max_sparsity, or the target), i.e. its upper edge falls exponentially from ``warmup_density`` (1/16 by
 default) to the configured value, and is the configured band from step K on. ``band(s)`` gives the
 exact values. Warm-up moves only the band: tau still changes by one factor ``decay`` per step, so pick
-K of the order of the number of steps tau needs to follow (tens to hundreds).
+K of the order of the number of steps tau needs to follow (tens to hundreds). Messages carry +-tau per
+element, so a denser start also means a smaller tau and less movement per element and step: on the MNIST
+CNN run of bench/e2e.py (188 steps, momentum correction) warm-up cost accuracy; measure before using it.
 
 ``ResidualClipping(c, every)`` is DL4J's residual post-processor: on steps where ``step % every == 0``
 the kept residual is clipped to [-c*tau, c*tau] (``factor(step)`` returns c then, else None).

@@ -3,15 +3,39 @@ the test accuracy, the wall time and the bytes sent against what dense all-reduc
 
 With no options: 2 local workers share thresholded gradients to train a small CNN on scikit-learn's
 bundled handwritten digits. `--data mnist:PATH` reads the MNIST idx files in PATH.
+
+`--launcher` picks the engine that starts the workers; each runs the same per-rank :func:`train_job`, so a
+run with the same options and seed gives the same model on each:
+
+- ``local`` (default): ``--workers`` processes on this machine (gradshare.parallel.launch_local).
+- ``torchrun``: ``python -m torch.distributed.run --nproc_per_node=WORKERS`` (``--standalone``, or one node of
+  a multi-host job with ``--nnodes/--node-rank/--rdzv-endpoint``), running
+  ``-m gradshare.cluster gradshare.train:train_job`` with the options as ``--config`` JSON.
+  ``--print-command`` shows that command; running it on each host (with ``--nnodes``, ``--node_rank``,
+  ``--rdzv_*`` added) is the same job launched by hand.
+- ``spark``: ``gradshare.spark.run(gradshare.cluster.run, train_job, options, master=...)`` through
+  TorchDistributor (``pip install gradshare[spark]``).
+
+``--checkpoint-every N`` saves a checkpoint every N steps into ``--checkpoint-dir`` (default: a temporary
+directory removed after a successful run). With ``--max-restarts K`` torchrun restarts all workers after a
+failure and Spark reruns the job (``gradshare.spark.run(max_retries=K)``); both resume from the newest
+complete checkpoint.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
+import os
+import shlex
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -67,7 +91,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics", metavar="CSV", help="write per-step statistics (rank 0) to this CSV file")
     p.add_argument("--plot", metavar="PNG", help="plot loss, accuracy and bytes per step (needs matplotlib)")
     p.add_argument("--launcher", choices=sorted(LAUNCHERS), default="local",
-                   help="how the workers are started")
+                   help="how the workers are started: local processes, torchrun, or Spark (TorchDistributor)")
+    g = p.add_argument_group("checkpoints and restarts (all launchers)")
+    g.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="where rank 0 keeps checkpoints; an existing checkpoint there is resumed "
+                        "(default: a temporary directory, removed after a successful run)")
+    g.add_argument("--checkpoint-every", type=int, metavar="STEPS",
+                   help="steps between checkpoints (default: 0 = none, or 100 with --max-restarts)")
+    g.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="torchrun: restart all workers up to K times after a failure; spark: rerun the job up "
+                        "to K times; both resume from the newest checkpoint")
+    g.add_argument("--timeout", type=float, default=86400.0, metavar="SECONDS",
+                   help="local and torchrun: stop the run after this long (default one day)")
+    g.add_argument("--collective-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="torchrun and spark: a collective waiting on a dead or stuck peer fails after this long")
+    g = p.add_argument_group("torchrun launcher")
+    g.add_argument("--nnodes", default="1", help="torchrun nodes (hosts), N or MIN:MAX; >1 needs --rdzv-endpoint")
+    g.add_argument("--node-rank", type=int, default=0, help="this host's node rank")
+    g.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                   help="rendezvous address (on the first host); default: --standalone on this host")
+    g.add_argument("--rdzv-backend", default="c10d", help="torchrun rendezvous backend (with --rdzv-endpoint)")
+    g.add_argument("--rdzv-id", default="gradshare-train", help="job id shared by all nodes")
+    g.add_argument("--torchrun-arg", action="append", default=[], metavar="ARG",
+                   help="extra torchrun option, e.g. --torchrun-arg=--local_addr=10.0.0.2 (repeatable)")
+    g.add_argument("--print-command", action="store_true",
+                   help="print the torchrun command this host would run, and exit")
+    g = p.add_argument_group("spark launcher")
+    g.add_argument("--spark-master", metavar="URL",
+                   help="Spark master (default local[WORKERS]); e.g. spark://host:7077, local-cluster[2,1,1024]")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -110,14 +161,130 @@ def train_job(opts: Dict[str, Any], ctx: Any = None) -> Dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------- launchers
-def _launch_local(opts: Dict[str, Any]) -> Dict[str, Any]:
+class LaunchError(RuntimeError):
+    """A launcher could not start the run or the run failed; the message says why and what to do."""
+
+
+def _launch_local(opts: Dict[str, Any], launch: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     from gradshare.parallel import launch_local
 
-    return launch_local(train_job, opts, int(opts["workers"]))[0]
+    launch = launch or {}
+    timeout = launch.get("timeout") or 86400.0
+    if not launch.get("checkpoint_every"):
+        return launch_local(train_job, opts, int(opts["workers"]), timeout=timeout)[0]
+    job = {"opts": opts, "checkpoint_dir": launch["checkpoint_dir"], "checkpoint_every": launch["checkpoint_every"]}
+    return launch_local(_checkpointed_job, job, int(opts["workers"]), timeout=timeout)[0]
 
 
-# launcher name -> function(options) -> rank 0's train_job summary
-LAUNCHERS: Dict[str, Callable[[Dict[str, Any]], Dict[str, Any]]] = {"local": _launch_local}
+def _checkpointed_job(job: Dict[str, Any]) -> Dict[str, Any]:
+    # Local workers with checkpoints: cluster.run uses the process group launch_local initialised.
+    from gradshare import cluster
+
+    return cluster.run(train_job, job["opts"], checkpoint_dir=job["checkpoint_dir"],
+                       checkpoint_every=job["checkpoint_every"])
+
+
+def torchrun_command(opts: Dict[str, Any], launch: Dict[str, Any], config: str, result: Optional[str] = None,
+                     python: str = sys.executable) -> List[str]:
+    """The torchrun command (argv) that runs :func:`train_job` on this host's ``opts["workers"]`` processes.
+
+    ``config``: a JSON file or JSON text holding ``opts``. ``launch`` keys: nnodes, node_rank, rdzv_endpoint,
+    rdzv_backend, rdzv_id, max_restarts, torchrun_args, checkpoint_dir, checkpoint_every (all optional).
+    Without ``rdzv_endpoint`` the node is ``--standalone``.
+    """
+    cmd = [python, "-m", "torch.distributed.run", f"--nproc_per_node={int(opts['workers'])}"]
+    if launch.get("rdzv_endpoint"):
+        cmd += [f"--nnodes={launch.get('nnodes', '1')}", f"--node_rank={int(launch.get('node_rank', 0))}",
+                f"--rdzv_backend={launch.get('rdzv_backend', 'c10d')}",
+                f"--rdzv_endpoint={launch['rdzv_endpoint']}", f"--rdzv_id={launch.get('rdzv_id', 'gradshare-train')}"]
+    else:
+        cmd += ["--standalone"]
+    cmd += [f"--max_restarts={int(launch.get('max_restarts', 0))}", *launch.get("torchrun_args", []),
+            "-m", "gradshare.cluster", "gradshare.train:train_job", "--config", config]
+    if launch.get("checkpoint_dir"):
+        cmd += ["--checkpoint-dir", str(launch["checkpoint_dir"]),
+                "--checkpoint-every", str(int(launch.get("checkpoint_every") or 0))]
+    if launch.get("collective_timeout") not in (None, 300.0):
+        cmd += ["--collective-timeout", f"{float(launch['collective_timeout']):g}"]
+    if result:
+        cmd += ["--result", result]
+    return cmd
+
+
+def _launch_torchrun(opts: Dict[str, Any], launch: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """Runs torchrun as a subprocess (its output goes to ours); rank 0's summary, or None when rank 0 ran on
+    another host of a multi-host job."""
+    work = launch["work_dir"]
+    config, result = os.path.join(work, "config.json"), os.path.join(work, "result.json")
+    with open(config, "w") as f:
+        json.dump(opts, f)
+    if os.path.exists(result):
+        os.remove(result)
+    cmd = torchrun_command(opts, launch, config, result)
+    timeout = launch.get("timeout") or 86400.0
+    # A session of its own: on a timeout or Ctrl-C the whole torchrun tree is stopped, no orphaned workers.
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        code = proc.wait(timeout=timeout)
+    except BaseException as exc:
+        _stop_group(proc)
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise LaunchError(f"torchrun did not finish within --timeout {timeout:g} s; it was stopped") from None
+        raise
+    if code != 0:
+        raise LaunchError(f"torchrun failed with exit code {code} (the failing worker's traceback is in the "
+                          f"output above); command: {shlex.join(cmd)}")
+    if not os.path.exists(result):
+        return None
+    with open(result) as f:
+        return json.load(f)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _launch_spark(opts: Dict[str, Any], launch: Dict[str, Any]) -> Dict[str, Any]:
+    try:
+        import pyspark  # noqa: F401
+        import pyspark.ml.torch.distributor  # noqa: F401
+    except ImportError as exc:
+        raise LaunchError(f"--launcher spark needs pyspark (and pandas, pyarrow): pip install gradshare[spark] "
+                          f"({exc})") from None
+    from gradshare import cluster, spark
+
+    workers = int(opts["workers"])
+    kwargs: Dict[str, Any] = {"collective_timeout": float(launch.get("collective_timeout") or 300.0)}
+    if launch.get("checkpoint_dir"):
+        kwargs.update(checkpoint_dir=launch["checkpoint_dir"], checkpoint_every=int(launch.get("checkpoint_every") or 0))
+    return spark.run(cluster.run, train_job, opts, master=launch.get("spark_master") or f"local[{workers}]",
+                     num_processes=workers, max_retries=int(launch.get("max_restarts", 0)), **kwargs)
+
+
+# launcher name -> function(options, launch options) -> rank 0's train_job summary (None: rank 0 is elsewhere)
+LAUNCHERS: Dict[str, Callable[[Dict[str, Any], Dict[str, Any]], Optional[Dict[str, Any]]]] = {
+    "local": _launch_local, "torchrun": _launch_torchrun, "spark": _launch_spark}
+
+
+def launch_options(args: argparse.Namespace) -> Dict[str, Any]:
+    """The launcher's options (checkpoints, restarts, torchrun rendezvous, Spark master) as a dict."""
+    every = args.checkpoint_every
+    if every is None:
+        every = 100 if args.max_restarts > 0 else 0
+    return {"checkpoint_dir": args.checkpoint_dir, "checkpoint_every": every, "max_restarts": args.max_restarts,
+            "timeout": args.timeout, "nnodes": args.nnodes, "node_rank": args.node_rank,
+            "rdzv_endpoint": args.rdzv_endpoint, "rdzv_backend": args.rdzv_backend, "rdzv_id": args.rdzv_id,
+            "torchrun_args": list(args.torchrun_arg), "spark_master": args.spark_master,
+            "collective_timeout": args.collective_timeout}
 
 
 # ------------------------------------------------------------------------------------------- output
@@ -180,7 +347,52 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             print(f"--{name.replace('_', '-')}: must be >= 1", file=sys.stderr)
             return 2
+    for name in ("max_restarts", "checkpoint_every"):
+        if (getattr(args, name) or 0) < 0:
+            print(f"--{name.replace('_', '-')}: must be >= 0", file=sys.stderr)
+            return 2
+    if args.timeout <= 0 or args.collective_timeout <= 0:
+        print("--timeout, --collective-timeout: must be > 0", file=sys.stderr)
+        return 2
+    if args.launcher != "torchrun" and (args.rdzv_endpoint or args.nnodes != "1" or args.torchrun_arg
+                                        or args.print_command):
+        print("--nnodes, --rdzv-endpoint, --torchrun-arg and --print-command need --launcher torchrun",
+              file=sys.stderr)
+        return 2
+    if args.nnodes != "1" and not args.rdzv_endpoint:
+        print("--nnodes: a multi-host job needs --rdzv-endpoint HOST:PORT (a port on the first host)",
+              file=sys.stderr)
+        return 2
+    if args.max_restarts and args.launcher == "local":
+        print("--max-restarts needs --launcher torchrun or spark", file=sys.stderr)
+        return 2
     opts = options_from_args(args)
+    launch = launch_options(args)
+    if args.print_command:
+        print(shlex.join(torchrun_command(opts, launch, json.dumps(opts), python="python")))
+        return 0
+    work = tempfile.mkdtemp(prefix="gradshare-train-")
+    if launch["checkpoint_every"] and not launch["checkpoint_dir"]:
+        launch["checkpoint_dir"] = os.path.join(work, "checkpoints")
+    launch["work_dir"] = work
+    try:
+        code = _run_and_report(args, opts, launch)
+    except BaseException as exc:
+        kept = launch["checkpoint_dir"] if launch["checkpoint_dir"] and launch["checkpoint_dir"].startswith(work) \
+            and os.path.isdir(launch["checkpoint_dir"]) and os.listdir(launch["checkpoint_dir"]) else None
+        if not kept:
+            shutil.rmtree(work, ignore_errors=True)
+        if isinstance(exc, LaunchError):
+            print(f"gradshare train: {exc}", file=sys.stderr)
+            if kept:
+                print(f"checkpoints kept in {kept}: rerun with --checkpoint-dir {kept} to resume", file=sys.stderr)
+            return 1
+        raise
+    shutil.rmtree(work, ignore_errors=True)
+    return code
+
+
+def _run_and_report(args: argparse.Namespace, opts: Dict[str, Any], launch: Dict[str, Any]) -> int:
     print(f"gradshare train: SmallCNN on {opts['data']}, {opts['workers']} {args.launcher} workers, "
           f"{opts['mode']}" + (f" ({opts['share']}, threshold {opts['threshold']})"
                                if opts["mode"] == "shared_gradients"
@@ -188,8 +400,11 @@ def run(args: argparse.Namespace) -> int:
           + f", {opts['optimizer']} lr {opts['lr']:g}, {opts['epochs']} epochs, batch {opts['batch_size']} per worker",
           flush=True)
     t0 = time.perf_counter()
-    result = LAUNCHERS[args.launcher](opts)
+    result = LAUNCHERS[args.launcher](opts, launch)
     wall = time.perf_counter() - t0
+    if result is None:
+        print("this node's workers finished; rank 0 ran on another node, whose gradshare train reports the run")
+        return 0
     history, steps = result["history"], result["steps"]
     print(f"{'epoch':>5} {'loss':>8} {'train acc':>9} {'test acc':>8} {'sent':>10} {'dense':>10}")
     for h in history:
@@ -203,6 +418,8 @@ def run(args: argparse.Namespace) -> int:
     ratio = f", {dense / sent:.1f}x less" if sent else ""
     print(f"bytes sent (all workers): {_fmt_bytes(sent)}; dense allreduce would have sent {_fmt_bytes(dense)}"
           f"{ratio}")
+    if args.checkpoint_dir:
+        print(f"checkpoints: {args.checkpoint_dir}")
     if args.metrics:
         write_csv(args.metrics, steps)
         print(f"per-step statistics: {args.metrics}")
