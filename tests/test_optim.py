@@ -11,21 +11,9 @@ import torch.nn.functional as F
 from gradshare import Adaptive, Fixed, NonFiniteStepError, SharedOptimizer, verify_replicas
 from gradshare.replicas import ReplicaMismatchError
 from gradshare.workers import run_local
+from tiny_model import batch as _batch, flat as _flat, net as _net
 
 
-def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(20, 48), nn.ReLU(), nn.Linear(48, 32), nn.ReLU(), nn.Linear(32, 4))
-
-
-def _batch(rank, step):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(16, 20, generator=g)
-    return x, x[:, :4].argmax(1)
-
-
-def _flat(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
 
 
 def _make(model, mode, nonfinite="raise"):

@@ -73,8 +73,10 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when the memory of a and b intersects (same device)."""
     if a.device != b.device or a.numel() == 0 or b.numel() == 0:
         return False
+    if type(a) is not torch.Tensor or type(b) is not torch.Tensor:  # fake / subclass tensors: no real memory
+        return False
     a0, b0 = a.data_ptr(), b.data_ptr()
-    if a0 == 0 or b0 == 0:  # no real storage (fake / meta tensors)
+    if a0 == 0 or b0 == 0:  # no real storage (meta tensors)
         return False
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
