@@ -275,7 +275,7 @@ def main(argv=None) -> int:
     ap.add_argument("--links", default="100mbit,1gbit,none", help="tc rates per run: 100mbit, 1gbit, none")
     ap.add_argument("--contenders", default=",".join(e2e_worker.CONTENDERS))
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--data-dir", default="/work/shared/data/mnist")
+    ap.add_argument("--data-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "mnist"))
     ap.add_argument("--train-subset", type=int, default=0)
     ap.add_argument("--test-subset", type=int, default=0)
     ap.add_argument("--epochs", type=int, default=1)

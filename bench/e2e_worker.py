@@ -350,7 +350,7 @@ def run(args) -> dict:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--contender", required=True, choices=sorted(CONTENDERS))
     ap.add_argument("--workload", default="mnist_cnn", choices=WORKLOADS)
-    ap.add_argument("--data-dir", default="/work/shared/data/mnist")
+    ap.add_argument("--data-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "mnist"))
     ap.add_argument("--train-subset", type=int, default=0, help="0: all 60k")
     ap.add_argument("--test-subset", type=int, default=0, help="0: all 10k")
     ap.add_argument("--epochs", type=int, default=1)
