@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradshare import ops
+from gradshare.wrapped_optimizer import WrappedOptimizer
 
 
 def allreduce_bytes(nbytes: int, world_size: int) -> int:
@@ -28,7 +29,7 @@ def allreduce_bytes(nbytes: int, world_size: int) -> int:
     return 0 if world_size <= 1 else int(2 * (world_size - 1) * nbytes // world_size)
 
 
-class ParameterAveraging:
+class ParameterAveraging(WrappedOptimizer):
     """Wraps an optimizer: ``step()`` runs it, and every ``frequency`` steps averages across ranks.
 
     Args:
@@ -71,17 +72,6 @@ class ParameterAveraging:
             self._broadcast_from_rank0()
 
     # ------------------------------------------------------------------------------------ optimizer API
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
     def step(self, closure=None):
         """One optimizer step; then an averaging round when one is due. Returns the closure's loss."""
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()

@@ -60,6 +60,7 @@ import torch.distributed as dist
 from gradshare.comm import NonFiniteStepError, exchange, zero_sent
 from gradshare.stats import Statistics, StepRecord, residual_norm
 from gradshare.thresholds import Adaptive, ResidualClipping, Threshold, as_threshold
+from gradshare.wrapped_optimizer import WrappedOptimizer
 
 MODES = ("gradients", "updates")
 
@@ -102,7 +103,7 @@ class _Bucket:
         return out
 
 
-class SharedOptimizer:
+class SharedOptimizer(WrappedOptimizer):
     """Wraps a torch optimizer; ``step()`` shares gradients or updates over a process group first.
 
     Args:
@@ -180,22 +181,7 @@ class SharedOptimizer:
         done.extend(v for v in open_.values() if v)
         return [_Bucket(i, ps, self.threshold.clone(), self.nonfinite == "skip") for i, ps in enumerate(done)]
 
-    # -- torch.optim.Optimizer surface ------------------------------------------------------------------
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @property
-    def defaults(self):
-        return self.optimizer.defaults
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
+    # -- gradshare state -------------------------------------------------------------------------------
     @property
     def thresholds(self) -> List[Threshold]:
         """One threshold per bucket."""
