@@ -11,6 +11,7 @@ import gradshare
 from gradshare import message as msgfmt
 from gradshare import ops
 from gradshare.message import BITMAP, HEADER_WORDS, MAGIC_VERSION, NONFINITE, SPARSE
+from op_inputs import assert_bits_equal, make_state
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,26 +31,6 @@ DEV = "cuda"
 def gpu(t: torch.Tensor) -> torch.Tensor:
     """A copy on the GPU (never an alias of the CPU tensor it came from)."""
     return t.to(DEV, copy=True)
-
-
-def assert_bits_equal(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Same dtype, shape and bit pattern (tells -0.0 from 0.0, compares NaNs)."""
-    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
-    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
-    if a.dtype == torch.float32:
-        a, b = a.view(torch.int32), b.view(torch.int32)
-    diff = (a != b).nonzero()
-    assert diff.numel() == 0, f"{diff.numel()} elements differ, first at {diff[0].tolist()}"
-
-
-def make_state(n, density, dtype=torch.float32, seed=0, tau=1.0):
-    """(update, residual) on the CPU where roughly `density` of residual + update reaches tau."""
-    g = torch.Generator().manual_seed(seed)
-    residual = (torch.rand(n, generator=g) * 2 - 1) * (0.9 * tau)
-    update = torch.randn(n, generator=g) * (0.01 * tau)
-    hot = torch.rand(n, generator=g) < density
-    update[hot] += torch.where(torch.rand(int(hot.sum()), generator=g) < 0.5, -2.5, 2.5) * tau
-    return update.to(dtype), residual
 
 
 def encode_both(update, residual, tau, clip=None, fmt="auto", on_nonfinite="raise"):

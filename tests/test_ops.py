@@ -10,35 +10,13 @@ import gradshare
 from gradshare import message as msgfmt
 from gradshare import ops, reference
 from gradshare.message import BITMAP, NONFINITE, SPARSE
+from op_inputs import assert_bits_equal, make_state, bits
 
 CHUNK = 2**15  # csrc/cpu/parallel.h: kChunk; kParallelMin = 2 * kChunk
 SIZES = [0, 1, 2, 15, 16, 17, 31, 33, 1000, 1023, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK - 1, 2 * CHUNK,
          2 * CHUNK + 1, 3 * CHUNK + 17]
 BIG = 2**20 + 7
 FORMATS = ["auto", "sparse", "bitmap"]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """float32 -> its int32 bit pattern (tells -0.0 from 0.0 and compares NaNs)."""
-    return t.contiguous().view(torch.int32)
-
-
-def assert_bits_equal(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.dtype == b.dtype and a.shape == b.shape
-    if a.dtype == torch.float32:
-        a, b = bits(a), bits(b)
-    diff = (a != b).nonzero()
-    assert diff.numel() == 0, f"{diff.numel()} elements differ, first at {diff[0].tolist()}"
-
-
-def make_state(n, density, dtype=torch.float32, seed=0, tau=1.0):
-    """(update, residual) where roughly `density` of residual + update reaches tau."""
-    g = torch.Generator().manual_seed(seed)
-    residual = (torch.rand(n, generator=g) * 2 - 1) * (0.9 * tau)
-    update = torch.randn(n, generator=g) * (0.01 * tau)
-    hot = torch.rand(n, generator=g) < density
-    update[hot] += torch.where(torch.rand(int(hot.sum()), generator=g) < 0.5, -2.5, 2.5) * tau
-    return update.to(dtype), residual
 
 
 @pytest.fixture
