@@ -1,21 +1,23 @@
 """End-to-end comparison of data-parallel exchanges on real (shaped) links: accuracy against wall time and bytes.
 
 Runs every contender (bench/e2e_worker.py: DDP allreduce, DDP fp16, DDP PowerSGD, torch periodic model
-averaging, gradshare hook / SharedOptimizer / parameter averaging) on every workload (the MNIST CNN and a
-3.7M-parameter MLP) under every link (tc-shaped veth between network namespaces, bench/netns.py), with the
-same seed, data order, batch size and epochs. Two workers, one core each, torch threads 1. A gradshare
-contender whose module is missing is skipped with a line saying so.
+averaging, gradshare hook / SharedOptimizer with and without momentum correction, gradshare parameter
+averaging) on every workload (the MNIST CNN and a 3.7M-parameter MLP) under every link (tc-shaped veth
+between network namespaces, bench/netns.py), with the same seed, data order, batch size and epochs.
+``--workers`` workers (2 by default), torch threads 1 each. ``--seeds 0,1,2`` repeats everything per seed
+and summarises over them. A gradshare contender whose module is missing is skipped with a line saying so.
 
-Reported per contender: time to the target test accuracy (training time only), final accuracy, bytes per
-step and in total (kernel tx counter of the worker's interface during training, the tc qdisc byte counter
-over the whole launch, the contender's own accounting where it has one, and the cost model's prediction),
-step time split into compute / encode / communicate. Outputs: results.json, results.md, accuracy_vs_time.png,
-bytes_per_step.png in --out.
+Reported per contender: time to the target test accuracy (training time only), how much sooner than DDP
+allreduce, final accuracy and its difference from DDP allreduce with the same seed, bytes per step and in
+total (kernel tx counter of the worker's interface during training, the tc qdisc byte counter over the
+whole launch, the contender's own accounting where it has one, and the cost model's prediction), step time
+split into compute / encode / communicate. Outputs: results.json (per run and summary), results.md,
+accuracy_vs_time.png, bytes_per_step.png in --out.
 
-Needs root (namespaces). Examples:
+Needs root (namespaces). Examples (the README's figures come from commands like these):
     timeout 900 python bench/e2e.py --quick --out /tmp/e2e-quick
-    timeout 3000 python bench/e2e.py --workloads mnist_cnn --links 100mbit,none --train-subset 12000 \\
-        --test-subset 2000 --epochs 1 --out bench/results/mnist
+    timeout 3600 python bench/e2e.py --workloads mnist_cnn --links 100mbit --seeds 0,1,2 --eval-every 50 \\
+        --target 0.95 --timeout 400 --out bench/results/mnist_cnn_100mbit
 """
 from __future__ import annotations
 
@@ -90,10 +92,10 @@ def merge(contender: str, workload: str, link: str, ranks: List[dict], before, a
 
 
 # ------------------------------------------------------------------------------------------------ running
-def worker_args(a, contender: str, workload: str, out: str) -> List[str]:
+def worker_args(a, contender: str, workload: str, out: str, seed: int) -> List[str]:
     return ["--contender", contender, "--workload", workload, "--data-dir", a.data_dir,
             "--train-subset", str(a.train_subset), "--test-subset", str(a.test_subset), "--epochs", str(a.epochs),
-            "--batch-size", str(a.batch_size), "--lr", str(a.lr), "--momentum", str(a.momentum), "--seed", str(a.seed),
+            "--batch-size", str(a.batch_size), "--lr", str(a.lr), "--momentum", str(a.momentum), "--seed", str(seed),
             "--eval-every", str(a.eval_every), "--target", str(a.target),
             "--max-train-seconds", str(a.max_train_seconds), "--period", str(a.period),
             "--powersgd-rank", str(a.powersgd_rank), "--initial-tau", str(a.initial_tau),
@@ -102,8 +104,8 @@ def worker_args(a, contender: str, workload: str, out: str) -> List[str]:
             "--dgc-clipping", str(a.dgc_clipping), "--out", out]
 
 
-def run_one(net, a, contender, workload, link, rundir) -> dict:
-    out = os.path.join(rundir, f"{workload}-{link}-{contender}-rank{{rank}}.json")
+def run_one(net, a, contender, workload, link, rundir, seed) -> dict:
+    out = os.path.join(rundir, f"{workload}-{link}-{contender}-seed{seed}-rank{{rank}}.json")
     for r in range(a.workers):
         if os.path.exists(out.format(rank=r)):
             os.remove(out.format(rank=r))
@@ -111,21 +113,21 @@ def run_one(net, a, contender, workload, link, rundir) -> dict:
     t0 = time.monotonic()
     if net is not None:
         before = net.counters()
-        res = net.torchrun(script, worker_args(a, contender, workload, out), timeout=a.timeout)
+        res = net.torchrun(script, worker_args(a, contender, workload, out, seed), timeout=a.timeout)
         after = net.counters()
     else:
         before = after = None
-        res = run_loopback(a, script, worker_args(a, contender, workload, out))
+        res = run_loopback(a, script, worker_args(a, contender, workload, out, seed))
     wall = time.monotonic() - t0
     if not all(r.ok for r in res):
         tail = "\n".join(f"--- rank {r.rank} rc={r.returncode}\n{r.stderr[-2500:]}" for r in res)
         print(f"  FAILED {workload}/{link}/{contender} after {wall:.0f} s\n{tail}", flush=True)
-        return {"contender": contender, "workload": workload, "link": link, "status": "failed",
+        return {"contender": contender, "workload": workload, "link": link, "seed": seed, "status": "failed",
                 "reason": tail[-4000:]}
     ranks = [json.load(open(out.format(rank=r))) for r in range(a.workers)]
     row = merge(contender, workload, link, ranks, before, after)
-    row["launch_wall"] = wall
-    print(f"  {contender:<20} acc {row['final_accuracy']:.4f}  target@{_fmt(row['time_to_target'])} s  "
+    row["launch_wall"], row["seed"] = wall, seed
+    print(f"  seed {seed} {contender:<24} acc {row['final_accuracy']:.4f}  target@{_fmt(row['time_to_target'])} s  "
           f"step {row['step_time'] * 1e3:.1f} ms  tx/step {row['tx_bytes_per_step']:,.0f} B  "
           f"model {_fmt(row['model_bytes_per_step'], ',.0f')} B  tc/step {_fmt(row.get('tc_bytes_per_step'), ',.0f')} B"
           f"  ({wall:.0f} s)", flush=True)
@@ -163,21 +165,25 @@ def run_all(a) -> List[dict]:
             print(f"SKIP {c}: {reason}", flush=True)
             for w in a.workloads.split(","):
                 for link in a.links.split(","):
-                    rows.append({"contender": c, "workload": w, "link": link, "status": "skipped", "reason": reason})
+                    rows.append({"contender": c, "workload": w, "link": link, "seed": None, "status": "skipped",
+                                 "reason": reason})
         else:
             runnable.append(c)
     for link in [l.strip() for l in a.links.split(",") if l.strip()]:
         print(f"== link {link}", flush=True)
+        # seeds outermost within a link: a slow spell of this shared machine hits every contender alike
         if a.no_netns:
             for w in a.workloads.split(","):
-                for c in runnable:
-                    rows.append(run_one(None, a, c, w, link, rundir))
+                for seed in a.seed_list:
+                    for c in runnable:
+                        rows.append(run_one(None, a, c, w, link, rundir, seed))
             continue
         with netns.NetnsCluster(a.workers, rate=link) as net:
             for w in a.workloads.split(","):
                 print(f"-- workload {w}", flush=True)
-                for c in runnable:
-                    rows.append(run_one(net, a, c, w, link, rundir))
+                for seed in a.seed_list:
+                    for c in runnable:
+                        rows.append(run_one(net, a, c, w, link, rundir, seed))
     return rows
 
 
@@ -186,35 +192,102 @@ def _fmt(x, spec=".1f"):
     return "-" if x is None else format(x, spec)
 
 
+def _median(xs):
+    xs = sorted(xs)
+    k = len(xs)
+    return None if k == 0 else (xs[k // 2] if k % 2 else (xs[k // 2 - 1] + xs[k // 2]) / 2)
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def summarize(rows: List[dict], baseline: str = "ddp_allreduce") -> List[dict]:
+    """One row per (workload, link, contender) over its seeds, compared with ``baseline`` seed by seed.
+
+    time_to_target: median over the seeds that reached the target (``reached`` says how many did);
+    speedup: baseline's median time to target / this one's; acc_delta: mean over seeds of
+    (final accuracy - the baseline's final accuracy with the same seed); bytes_ratio: baseline tx bytes
+    per step / this one's.
+    """
+    ok = [r for r in rows if r["status"] == "ok"]
+    out = []
+    for w, link, c in dict.fromkeys((r["workload"], r["link"], r["contender"]) for r in rows):
+        sel = [r for r in ok if (r["workload"], r["link"], r["contender"]) == (w, link, c)]
+        bad = [r for r in rows if (r["workload"], r["link"], r["contender"]) == (w, link, c) and r["status"] != "ok"]
+        if not sel:
+            out.append({"workload": w, "link": link, "contender": c, "status": bad[0]["status"],
+                        "reason": bad[0].get("reason", "")})
+            continue
+        base = {r["seed"]: r for r in ok if (r["workload"], r["link"], r["contender"]) == (w, link, baseline)}
+        ttt = [r["time_to_target"] for r in sel if r["time_to_target"] is not None]
+        base_ttt = [r["time_to_target"] for r in base.values() if r["time_to_target"] is not None]
+        accs = [r["final_accuracy"] for r in sel]
+        deltas = [r["final_accuracy"] - base[r["seed"]]["final_accuracy"] for r in sel if r["seed"] in base]
+        tx = _mean([r["tx_bytes_per_step"] for r in sel])
+        base_tx = _mean([r["tx_bytes_per_step"] for r in base.values()])
+        row = {"workload": w, "link": link, "contender": c, "status": "ok", "params": sel[0]["params"],
+               "seeds": [r["seed"] for r in sel], "failed_seeds": [r.get("seed") for r in bad],
+               "reached": len(ttt), "time_to_target": _median(ttt) if len(ttt) == len(sel) else None,
+               "final_accuracy": _mean(accs), "final_accuracy_min": min(accs), "final_accuracy_max": max(accs),
+               "acc_delta": _mean(deltas) if deltas else None,
+               "steps": _mean([r["steps"] for r in sel]),
+               **{k: _mean([r[k] for r in sel]) for k in ("step_time", "compute", "encode", "communicate")},
+               "tx_bytes_per_step": tx, "tx_bytes_total": _mean([r["tx_bytes_total"] for r in sel]),
+               "tc_bytes_per_step": _mean([r.get("tc_bytes_per_step") for r in sel]),
+               "model_bytes_per_step": _mean([r["model_bytes_per_step"] for r in sel])}
+        bt = _median(base_ttt) if base and len(base_ttt) == len(base) else None
+        row["speedup"] = bt / row["time_to_target"] if bt and row["time_to_target"] else None
+        row["bytes_ratio"] = base_tx / tx if base_tx and tx else None
+        out.append(row)
+    return out
+
+
 def markdown(rows: List[dict], a) -> str:
+    seeds = ", ".join(str(s) for s in a.seed_list)
     lines = [f"Command: `{a.command}`", "",
-             f"{a.workers} workers (one core each, torch threads 1), batch {a.batch_size} per worker, "
-             f"SGD lr {a.lr} momentum {a.momentum}, seed {a.seed}, {a.epochs} epoch(s), "
+             f"{a.workers} workers on {os.cpu_count()} cores (torch threads 1 each), batch {a.batch_size} per worker, "
+             f"SGD lr {a.lr} momentum {a.momentum}, seed(s) {seeds}, {a.epochs} epoch(s), "
              f"train subset {a.train_subset or 60000}, test subset {a.test_subset or 10000}, target {a.target}.", ""]
-    for w in dict.fromkeys(r["workload"] for r in rows):
-        for link in dict.fromkeys(r["link"] for r in rows if r["workload"] == w):
-            sel = [r for r in rows if r["workload"] == w and r["link"] == link]
+    many = len(a.seed_list) > 1
+    summary = summarize(rows)
+    for w in dict.fromkeys(r["workload"] for r in summary):
+        for link in dict.fromkeys(r["link"] for r in summary if r["workload"] == w):
+            sel = [r for r in summary if r["workload"] == w and r["link"] == link]
             params = next((r["params"] for r in sel if r.get("params")), None)
             lines += [f"### {w} ({_fmt(params, ',')} parameters), link {link}", "",
-                      "| contender | time to target s | final acc | steps | step ms | compute / encode / comm ms "
-                      "| tx B/step | tc B/step | model B/step | total MB/worker |",
-                      "|---|---|---|---|---|---|---|---|---|---|"]
+                      "| contender | time to target s | vs DDP | final acc | Δ acc vs DDP (pt) | steps | step ms "
+                      "| compute / encode / comm ms | tx B/step | bytes vs DDP | tc B/step | model B/step "
+                      "| total MB/worker |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
             for r in sel:
                 if r["status"] != "ok":
-                    lines.append(f"| {r['contender']} | {r['status']}: {r.get('reason', '')[:80]} |||||||||")
+                    lines.append(f"| {r['contender']} | {r['status']}: {r.get('reason', '')[:80]} ||||||||||||")
                     continue
+                n = len(r["seeds"])
+                ttt = _fmt(r["time_to_target"]) + (f" ({r['reached']}/{n})" if many and r["reached"] < n else "")
+                acc = f"{r['final_accuracy']:.4f}" + (
+                    f" [{r['final_accuracy_min']:.4f}, {r['final_accuracy_max']:.4f}]" if many else "")
+                delta = "-" if r["acc_delta"] is None else f"{100 * r['acc_delta']:+.2f}"
                 lines.append(
-                    f"| {r['contender']} | {_fmt(r['time_to_target'])} | {r['final_accuracy']:.4f} | {r['steps']} "
+                    f"| {r['contender']} | {ttt} | {_fmt(r['speedup'], '.2f')}{'x' if r['speedup'] else ''} | {acc} | {delta} | {r['steps']:.0f} "
                     f"| {r['step_time'] * 1e3:.1f} | {r['compute'] * 1e3:.1f} / {r['encode'] * 1e3:.1f} / "
-                    f"{r['communicate'] * 1e3:.1f} | {r['tx_bytes_per_step']:,.0f} "
+                    f"{r['communicate'] * 1e3:.1f} | {r['tx_bytes_per_step']:,.0f} | {_fmt(r['bytes_ratio'], '.1f')}{'x' if r['bytes_ratio'] else ''} "
                     f"| {_fmt(r.get('tc_bytes_per_step'), ',.0f')} | {_fmt(r['model_bytes_per_step'], ',.0f')} "
                     f"| {r['tx_bytes_total'] / 1e6:.2f} |")
             lines.append("")
-    lines += ["tx B/step: kernel tx counter of the worker's interface during training steps only (TCP/IP headers "
-              "included). tc B/step: the qdisc's byte counter over the whole launch (rendezvous, DDP's initial "
-              "broadcast, evaluation barriers included) divided by the steps. model B/step: gradshare.costmodel "
-              "payload bytes (gradshare contenders: their own accounting). encode: time inside the comm hook "
-              "call; communicate: step - compute - encode.", ""]
+    lines += ["time to target: training wall time until the test accuracy first reached the target"
+              + (" (median over seeds; (k/n): only k of n seeds reached it)" if many else "")
+              + ". vs DDP: ddp_allreduce's time to target / this one's. final acc: "
+              + ("mean [min, max] over seeds" if many else "after the last step")
+              + ". Δ acc vs DDP: final accuracy minus ddp_allreduce's with the same seed"
+              + (", mean over seeds" if many else "") + ". Times and bytes per step: mean over seeds and ranks.",
+              "tx B/step: kernel tx counter of the worker's interface during training steps only (TCP/IP headers "
+              "included); bytes vs DDP: ddp_allreduce's tx B/step / this one's. tc B/step: the qdisc's byte counter "
+              "over the whole launch (rendezvous, DDP's initial broadcast, evaluation barriers included) divided by "
+              "the steps. model B/step: gradshare.costmodel payload bytes (gradshare contenders: their own "
+              "accounting). encode: time inside the comm hook call; communicate: step - compute - encode.", ""]
     return "\n".join(lines)
 
 
@@ -228,6 +301,8 @@ def plots(rows: List[dict], outdir: str) -> List[str]:
         print("matplotlib not installed: no plots (pip install matplotlib)", flush=True)
         return []
     ok = [r for r in rows if r["status"] == "ok"]
+    first = min((r["seed"] for r in ok), default=None)
+    ok = [r for r in ok if r["seed"] == first]          # one curve per contender: the first seed
     groups = list(dict.fromkeys((r["workload"], r["link"]) for r in ok))
     if not groups:
         return []
@@ -238,7 +313,7 @@ def plots(rows: List[dict], outdir: str) -> List[str]:
             if (r["workload"], r["link"]) == (w, link):
                 h = r["history"]
                 ax.plot([x["time"] for x in h], [x["accuracy"] for x in h], marker=".", label=r["contender"])
-        ax.set_title(f"{w}, {link}")
+        ax.set_title(f"{w}, {link}, seed {first}")
         ax.set_xlabel("training wall time (s)")
         ax.set_ylabel("test accuracy")
         ax.set_ylim(max(0.0, min((x["accuracy"] for r in ok for x in r["history"][1:]), default=0) - 0.05), 1.0)
@@ -283,6 +358,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="", help="comma-separated seeds, each a full run of every contender "
+                                                "(overrides --seed); the tables summarise over them")
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--target", type=float, default=0.95)
     ap.add_argument("--max-train-seconds", type=float, default=0.0, help="per contender (0: none)")
@@ -303,13 +380,15 @@ def main(argv=None) -> int:
         for k, v in QUICK.items():
             if k not in given:
                 setattr(a, k, v)
+    a.seed_list = [int(x) for x in a.seeds.split(",") if x.strip()] or [a.seed]
     a.command = "python bench/e2e.py " + " ".join(raw)
     if not os.path.isdir(a.data_dir):
         print(f"no MNIST at {a.data_dir} (--data-dir)", file=sys.stderr)
         return 2
     rows = run_all(a)
     with open(os.path.join(a.out, "results.json"), "w") as f:
-        json.dump({"command": a.command, "args": {k: v for k, v in vars(a).items()}, "results": rows}, f, indent=1)
+        json.dump({"command": a.command, "args": {k: v for k, v in vars(a).items()}, "summary": summarize(rows),
+                   "results": rows}, f, indent=1)
     md = markdown(rows, a)
     with open(os.path.join(a.out, "results.md"), "w") as f:
         f.write(md)

@@ -4,7 +4,7 @@ Every contender trains the same model from the same seed on the same data order 
 batch size, optimizer (SGD + momentum) and epochs; only the exchange differs. Measured per rank:
 
 * wall time of training only (evaluation pauses the clock), and test accuracy at every evaluation
-  (rank 0 evaluates the full test subset; the others wait at a barrier);
+  (rank 0 evaluates the full test subset, with the threads of the ranks that wait for it at a broadcast);
 * bytes sent: the interface's kernel tx counter (``/sys/class/net/<if>/statistics/tx_bytes``) summed over
   training segments only (GRADSHARE_NETNS_IFNAME, set by bench/netns.py), plus what the contender's own
   accounting says (gradshare's ``stats.bytes_sent``, ``ParameterAveraging.bytes_sent``);
@@ -292,7 +292,14 @@ def run(args) -> dict:
     def checkpoint(final: bool = False) -> bool:
         """Pauses the clock, evaluates on rank 0, broadcasts whether to stop (time budget)."""
         nonlocal time_to_target
-        acc = evaluate(model, xte, yte) if rank == 0 else float("nan")
+        if rank == 0:
+            # off the clock, and the other ranks wait at the broadcast below: let rank 0 use their cores
+            threads = torch.get_num_threads()
+            torch.set_num_threads(max(threads, min(world, os.cpu_count() or 1)))
+            acc = evaluate(model, xte, yte)
+            torch.set_num_threads(threads)
+        else:
+            acc = float("nan")
         if rank == 0:
             history.append({"time": train_time, "step": step, "accuracy": acc})
             if time_to_target is None and acc >= args.target:
