@@ -203,10 +203,16 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
+def steps_to_target(r: dict) -> Optional[int]:
+    """The step of the first evaluation that reached the target (None if none did)."""
+    return next((h["step"] for h in r.get("history", []) if h["accuracy"] >= r["target"]), None)
+
+
 def summarize(rows: List[dict], baseline: str = "ddp_allreduce") -> List[dict]:
     """One row per (workload, link, contender) over its seeds, compared with ``baseline`` seed by seed.
 
-    time_to_target: median over the seeds that reached the target (``reached`` says how many did);
+    time_to_target (steps_to_target): median over the seeds, if all reached the target (``reached`` says
+    how many did);
     speedup: baseline's median time to target / this one's; acc_delta: mean over seeds of
     (final accuracy - the baseline's final accuracy with the same seed); bytes_ratio: baseline tx bytes
     per step / this one's.
@@ -222,6 +228,7 @@ def summarize(rows: List[dict], baseline: str = "ddp_allreduce") -> List[dict]:
             continue
         base = {r["seed"]: r for r in ok if (r["workload"], r["link"], r["contender"]) == (w, link, baseline)}
         ttt = [r["time_to_target"] for r in sel if r["time_to_target"] is not None]
+        sst = [s for s in (steps_to_target(r) for r in sel) if s is not None]
         base_ttt = [r["time_to_target"] for r in base.values() if r["time_to_target"] is not None]
         accs = [r["final_accuracy"] for r in sel]
         deltas = [r["final_accuracy"] - base[r["seed"]]["final_accuracy"] for r in sel if r["seed"] in base]
@@ -230,6 +237,7 @@ def summarize(rows: List[dict], baseline: str = "ddp_allreduce") -> List[dict]:
         row = {"workload": w, "link": link, "contender": c, "status": "ok", "params": sel[0]["params"],
                "seeds": [r["seed"] for r in sel], "failed_seeds": [r.get("seed") for r in bad],
                "reached": len(ttt), "time_to_target": _median(ttt) if len(ttt) == len(sel) else None,
+               "steps_to_target": _median(sst) if len(sst) == len(sel) else None,
                "final_accuracy": _mean(accs), "final_accuracy_min": min(accs), "final_accuracy_max": max(accs),
                "acc_delta": _mean(deltas) if deltas else None,
                "steps": _mean([r["steps"] for r in sel]),
@@ -257,13 +265,13 @@ def markdown(rows: List[dict], a) -> str:
             sel = [r for r in summary if r["workload"] == w and r["link"] == link]
             params = next((r["params"] for r in sel if r.get("params")), None)
             lines += [f"### {w} ({_fmt(params, ',')} parameters), link {link}", "",
-                      "| contender | time to target s | vs DDP | final acc | Δ acc vs DDP (pt) | steps | step ms "
+                      "| contender | time to target s | vs DDP | steps to target | final acc | Δ acc vs DDP (pt) | steps | step ms "
                       "| compute / encode / comm ms | tx B/step | bytes vs DDP | tc B/step | model B/step "
                       "| total MB/worker |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
             for r in sel:
                 if r["status"] != "ok":
-                    lines.append(f"| {r['contender']} | {r['status']}: {r.get('reason', '')[:80]} ||||||||||||")
+                    lines.append(f"| {r['contender']} | {r['status']}: {r.get('reason', '')[:80]} |||||||||||||")
                     continue
                 n = len(r["seeds"])
                 ttt = _fmt(r["time_to_target"]) + (f" ({r['reached']}/{n})" if many and r["reached"] < n else "")
@@ -271,7 +279,8 @@ def markdown(rows: List[dict], a) -> str:
                     f" [{r['final_accuracy_min']:.4f}, {r['final_accuracy_max']:.4f}]" if many else "")
                 delta = "-" if r["acc_delta"] is None else f"{100 * r['acc_delta']:+.2f}"
                 lines.append(
-                    f"| {r['contender']} | {ttt} | {_fmt(r['speedup'], '.2f')}{'x' if r['speedup'] else ''} | {acc} | {delta} | {r['steps']:.0f} "
+                    f"| {r['contender']} | {ttt} | {_fmt(r['speedup'], '.2f')}{'x' if r['speedup'] else ''} "
+                    f"| {_fmt(r['steps_to_target'], '.0f')} | {acc} | {delta} | {r['steps']:.0f} "
                     f"| {r['step_time'] * 1e3:.1f} | {r['compute'] * 1e3:.1f} / {r['encode'] * 1e3:.1f} / "
                     f"{r['communicate'] * 1e3:.1f} | {r['tx_bytes_per_step']:,.0f} | {_fmt(r['bytes_ratio'], '.1f')}{'x' if r['bytes_ratio'] else ''} "
                     f"| {_fmt(r.get('tc_bytes_per_step'), ',.0f')} | {_fmt(r['model_bytes_per_step'], ',.0f')} "
@@ -279,7 +288,8 @@ def markdown(rows: List[dict], a) -> str:
             lines.append("")
     lines += ["time to target: training wall time until the test accuracy first reached the target"
               + (" (median over seeds; (k/n): only k of n seeds reached it)" if many else "")
-              + ". vs DDP: ddp_allreduce's time to target / this one's. final acc: "
+              + ". vs DDP: ddp_allreduce's time to target / this one's. steps to target: the step of the first "
+              "evaluation at or above the target. final acc: "
               + ("mean [min, max] over seeds" if many else "after the last step")
               + ". Δ acc vs DDP: final accuracy minus ddp_allreduce's with the same seed"
               + (", mean over seeds" if many else "") + ". Times and bytes per step: mean over seeds and ranks.",
@@ -373,6 +383,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="hard limit per contender run, seconds")
     ap.add_argument("--no-netns", action="store_true", help="loopback torchrun (no root); bytes not comparable")
     ap.add_argument("--out", default="bench/results/e2e")
+    ap.add_argument("--report", default="", metavar="DIR",
+                    help="run nothing: rewrite DIR's results.md and plots from its results.json")
     raw = list(sys.argv[1:] if argv is None else argv)
     a = ap.parse_args(raw)
     if a.quick:
@@ -382,10 +394,19 @@ def main(argv=None) -> int:
                 setattr(a, k, v)
     a.seed_list = [int(x) for x in a.seeds.split(",") if x.strip()] or [a.seed]
     a.command = "python bench/e2e.py " + " ".join(raw)
-    if not os.path.isdir(a.data_dir):
+    if a.report:                     # re-render the tables and plots of an earlier run from its results.json
+        with open(os.path.join(a.report, "results.json")) as f:
+            saved = json.load(f)
+        a = argparse.Namespace(**{**saved["args"], "out": a.report})
+        a.seed_list = a.__dict__.get("seed_list") or [a.seed]
+        rows = saved["results"]
+        for r in rows:
+            r.setdefault("seed", a.seed)
+    elif not os.path.isdir(a.data_dir):
         print(f"no MNIST at {a.data_dir} (--data-dir)", file=sys.stderr)
         return 2
-    rows = run_all(a)
+    else:
+        rows = run_all(a)
     with open(os.path.join(a.out, "results.json"), "w") as f:
         json.dump({"command": a.command, "args": {k: v for k, v in vars(a).items()}, "summary": summarize(rows),
                    "results": rows}, f, indent=1)
