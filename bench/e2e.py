@@ -36,6 +36,7 @@ sys.path.insert(0, HERE)
 import e2e_worker  # noqa: E402
 import netns  # noqa: E402
 from gradshare import costmodel as cm  # noqa: E402
+from gradshare.workers import stop_process_group  # noqa: E402
 
 QUICK = dict(workloads="mnist_cnn", links="100mbit,none", train_subset=2000, test_subset=1000, epochs=1,
              eval_every=10, target=0.85)
@@ -146,7 +147,7 @@ def run_loopback(a, script, args) -> List[netns.RunResult]:
         out, err = p.communicate(timeout=a.timeout)
         rc = p.returncode
     except subprocess.TimeoutExpired:
-        netns._kill_group(p)
+        stop_process_group(p)
         out, err = p.communicate()
         rc = None
     return [netns.RunResult(0, rc, time.monotonic() - t0, out, err)]

@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
+from gradshare.workers import stop_process_group
+
 PREFIX = "gsb"
 IFNAME = "gs0"
 SUBNET = "10.231.0"
@@ -180,7 +182,7 @@ class NetnsCluster:
     def down(self) -> None:
         """Kills this cluster's processes and deletes its namespaces (idempotent)."""
         for p in self._procs:
-            _kill_group(p)
+            stop_process_group(p)
         self._procs.clear()
         for ns in self.namespaces + ([self.bridge_ns] if self.bridge_ns else []):
             _ip("netns", "del", ns, check=False)
@@ -251,7 +253,7 @@ class NetnsCluster:
             for rank, p in enumerate(procs):
                 note = ""
                 if codes[rank] is None:
-                    _kill_group(p)
+                    stop_process_group(p)
                     elapsed[rank] = time.monotonic() - t0
                     note = f"\n[netns] killed after the {timeout:g} s timeout\n"
                 out, err = files[rank]
@@ -273,21 +275,6 @@ class NetnsCluster:
                           f"--node_rank={rank}", f"--nproc_per_node={nproc_per_node}",
                           f"--master_addr={self.master_addr}", f"--master_port={port}", script, *args])
         return self.run(argvs, timeout, env)
-
-
-def _kill_group(p: subprocess.Popen) -> None:
-    if p.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(p.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            p.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _teardown_all() -> None:

@@ -15,17 +15,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradshare import Adaptive, ThresholdState, threshold_hook, verify_replicas
 from gradshare.workers import run_local
-from tiny_model import batch as _batch, flat as _flat, net as _net
+from tiny_model import batch as _batch, flat as _flat, net as _net, restore, snapshot
 
 MNIST = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "mnist")
-
-
-
-
-def _save(*objs) -> bytes:
-    buf = io.BytesIO()
-    torch.save(objs, buf)
-    return buf.getvalue()
 
 
 def _train(steps, start=0, ckpts=None, save_at=None, cap_mb=25.0, nonfinite="raise", bad=None, momentum=None):
@@ -42,14 +34,11 @@ def _train(steps, start=0, ckpts=None, save_at=None, cap_mb=25.0, nonfinite="rai
     ddp.register_comm_hook(state, threshold_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9 if momentum is None else 0.0)
     if ckpts is not None:
-        m, o, s = torch.load(io.BytesIO(ckpts[r]), weights_only=False)
-        model.load_state_dict(m)
-        opt.load_state_dict(o)
-        state.load_state_dict(s)
+        restore(ckpts[r], model, opt, state)
     saved, info = None, {}
     for step in range(start, steps):
         if step == save_at:
-            saved = _save(model.state_dict(), opt.state_dict(), state.state_dict())
+            saved = snapshot(model, opt, state)
         x, y = _batch(r, step)
         if bad is not None and step == bad[0] and r == bad[1]:
             x[0, 0] = float("nan")

@@ -1,4 +1,3 @@
-import io
 import warnings
 
 import numpy as np
@@ -11,7 +10,7 @@ import torch.nn.functional as F
 from gradshare import Adaptive, Fixed, NonFiniteStepError, SharedOptimizer, verify_replicas
 from gradshare.replicas import ReplicaMismatchError
 from gradshare.workers import run_local
-from tiny_model import batch as _batch, flat as _flat, net as _net
+from tiny_model import batch as _batch, flat as _flat, net as _net, restore, snapshot
 
 
 
@@ -30,15 +29,11 @@ def _train(mode, steps, start=0, ckpts=None, save_at=None, nonfinite="raise", ba
     model = _net()
     opt = _make(model, mode, nonfinite)
     if ckpts is not None:
-        m, o = torch.load(io.BytesIO(ckpts[r]), weights_only=False)
-        model.load_state_dict(m)
-        opt.load_state_dict(o)
+        restore(ckpts[r], model, opt)
     saved, info = None, {}
     for step in range(start, steps):
         if step == save_at:
-            buf = io.BytesIO()
-            torch.save((model.state_dict(), opt.state_dict()), buf)
-            saved = buf.getvalue()
+            saved = snapshot(model, opt)
         x, y = _batch(r, step)
         if bad is not None and step == bad[0] and r == bad[1]:
             x[0, 0] = float("inf")
@@ -179,15 +174,11 @@ def _train_dgc(steps, start=0, ckpt=None, save_at=None):
     model = _net()
     opt = _make_dgc(model)
     if ckpt is not None:
-        m, o = torch.load(io.BytesIO(ckpt[r]), weights_only=False)
-        model.load_state_dict(m)
-        opt.load_state_dict(o)
+        restore(ckpt[r], model, opt)
     saved = None
     for step in range(start, steps):
         if step == save_at:
-            buf = io.BytesIO()
-            torch.save((model.state_dict(), opt.state_dict()), buf)
-            saved = buf.getvalue()
+            saved = snapshot(model, opt)
         x, y = _batch(r, step)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()

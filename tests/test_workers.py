@@ -1,10 +1,13 @@
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from gradshare.workers import WorkerError, run_local
+from gradshare.workers import WorkerError, run_local, stop_process_group
 
 
 def _sum_ranks():
@@ -39,3 +42,29 @@ def test_worker_exception_is_raised_with_traceback():
 def test_dead_worker_ends_the_run():
     with pytest.raises(WorkerError, match="exited with code 7"):
         run_local(_die_on_rank_0, 2, timeout=60, collective_timeout=30)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie that only waits to be reaped counts as stopped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_stop_process_group_stops_the_child_and_what_it_spawned():
+    # the child ignores SIGTERM and starts a grandchild: only the SIGKILL to the whole group ends both
+    code = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print(g.pid, flush=True); "
+            "time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    grandchild = int(proc.stdout.readline())
+    assert _alive(grandchild)
+    stop_process_group(proc, grace=0.5)
+    assert proc.poll() is not None
+    deadline = time.monotonic() + 5
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild)
+    stop_process_group(proc)          # already stopped: returns at once

@@ -1,4 +1,6 @@
 """The small deterministic model and batches the gradient-sharing tests train (importable by spawned workers)."""
+import io
+
 import torch
 import torch.nn as nn
 
@@ -17,3 +19,16 @@ def batch(rank, step):
 
 def flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
+
+
+def snapshot(*objects) -> bytes:
+    """The state_dicts of ``objects`` (model, optimizer, ...) as one checkpoint blob."""
+    buf = io.BytesIO()
+    torch.save(tuple(o.state_dict() for o in objects), buf)
+    return buf.getvalue()
+
+
+def restore(blob: bytes, *objects) -> None:
+    """Loads a ``snapshot`` blob back into the same objects, in the same order."""
+    for o, state in zip(objects, torch.load(io.BytesIO(blob), weights_only=False)):
+        o.load_state_dict(state)

@@ -30,7 +30,6 @@ import math
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ import torch
 
 from gradshare import loop
 from gradshare.loop import TrainConfig, train_rank  # noqa: F401  (train_rank: the per-rank loop)
+from gradshare.workers import stop_process_group
 
 # ------------------------------------------------------------------------------------------ options
 def parse_threshold(spec: str):
@@ -227,7 +227,7 @@ def _launch_torchrun(opts: Dict[str, Any], launch: Dict[str, Any]) -> Optional[D
     try:
         code = proc.wait(timeout=timeout)
     except BaseException as exc:
-        _stop_group(proc)
+        stop_process_group(proc, grace=10.0)
         if isinstance(exc, subprocess.TimeoutExpired):
             raise LaunchError(f"torchrun did not finish within --timeout {timeout:g} s; it was stopped") from None
         raise
@@ -238,19 +238,6 @@ def _launch_torchrun(opts: Dict[str, Any], launch: Dict[str, Any]) -> Optional[D
         return None
     with open(result) as f:
         return json.load(f)
-
-
-def _stop_group(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _launch_spark(opts: Dict[str, Any], launch: Dict[str, Any]) -> Dict[str, Any]:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import socket
+import subprocess
 import time
 import traceback
 from datetime import timedelta
@@ -25,6 +27,26 @@ class WorkerError(RuntimeError):
         super().__init__(f"worker {rank} failed:\n{detail}")
         self.rank = rank
         self.detail = detail
+
+
+def stop_process_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """Stops a child started with ``start_new_session=True`` and everything it spawned.
+
+    SIGTERM to its process group, up to ``grace`` seconds to exit, then SIGKILL (5 s more). Returns at once
+    if the process has already exited.
+    """
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        if proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def free_port() -> int:
