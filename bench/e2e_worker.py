@@ -34,6 +34,9 @@ from torch.nn import functional as F
 # contender name -> what it runs
 CONTENDERS: Dict[str, str] = {
     "ddp_allreduce": "DDP, default float32 allreduce",
+    "gradshare": "DDP + gradshare threshold_hook with ThresholdState(optimizer=opt): the defaults (the SGD's updates "
+                 "shared, top-k)",
+    "gradshare_optimizer_auto": "gradshare SharedOptimizer(opt): the defaults",
     "ddp_fp16": "DDP + fp16_compress_hook",
     "ddp_powersgd": "DDP + powerSGD_hook (rank 2, start_powerSGD_iter = 10% of steps)",
     "torch_averaging": "local SGD + PostLocalSGDOptimizer(PeriodicModelAverager(period))",
@@ -50,7 +53,9 @@ WORKLOADS = ("mnist_cnn", "mlp")
 
 def missing_reason(contender: str) -> Optional[str]:
     """Why a contender cannot run in this environment (its gradshare module is absent), else None."""
-    need = {"gradshare_hook": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
+    need = {"gradshare": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
+            "gradshare_optimizer_auto": ("gradshare.optim", ("SharedOptimizer",)),
+            "gradshare_hook": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
             "gradshare_optimizer": ("gradshare.optim", ("SharedOptimizer",)),
             "gradshare_hook_dgc": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
             "gradshare_optimizer_dgc": ("gradshare.optim", ("SharedOptimizer",)),
@@ -70,28 +75,14 @@ def missing_reason(contender: str) -> Optional[str]:
 
 
 # ------------------------------------------------------------------------------------------------ models
-class MLP(nn.Module):
-    """784-2048-1024-10 perceptron, 3.7M parameters: a dense step is ~15 MB, communication-bound at 100 Mbit/s."""
-
-    def __init__(self, hidden=(2048, 1024), num_classes: int = 10):
-        super().__init__()
-        layers, width = [nn.Flatten()], 28 * 28
-        for h in hidden:
-            layers += [nn.Linear(width, h), nn.ReLU()]
-            width = h
-        layers.append(nn.Linear(width, num_classes))
-        self.net = nn.Sequential(*layers)
-
-    def forward(self, x):
-        return self.net(x)
-
-
 def build_model(workload: str) -> nn.Module:
     if workload == "mnist_cnn":
         from gradshare.models import SmallCNN
 
         return SmallCNN(in_channels=1, num_classes=10, image_size=28)
     if workload == "mlp":
+        from workloads import MLP
+
         return MLP()
     raise ValueError(f"unknown workload {workload!r} (use {', '.join(WORKLOADS)})")
 
@@ -165,7 +156,7 @@ def setup_contender(name: str, model: nn.Module, args, total_steps: int, timer: 
         th = Adaptive(initial=args.dgc_initial_tau, decay=args.dgc_decay, warmup_steps=args.dgc_warmup_steps)
         return th, (ResidualClipping() if args.dgc_clipping else None)
 
-    if name in ("ddp_allreduce", "ddp_fp16", "ddp_powersgd", "gradshare_hook", "gradshare_hook_dgc"):
+    if name in ("ddp_allreduce", "ddp_fp16", "ddp_powersgd", "gradshare", "gradshare_hook", "gradshare_hook_dgc"):
         if name == "ddp_powersgd":
             # One bucket: on gloo, powerSGD_hook issues its Q allreduce from the P allreduce's callback, which
             # races with the next bucket's hook, so ranks can order collectives differently and gloo aborts
@@ -188,11 +179,21 @@ def setup_contender(name: str, model: nn.Module, args, total_steps: int, timer: 
                                      warm_start=True, random_seed=args.seed)
             ddp.register_comm_hook(state, timer.wrap(ps.powerSGD_hook))
             info.update(start_powerSGD_iter=start, matrix_approximation_rank=args.powersgd_rank)
+        elif name == "gradshare":
+            from gradshare.hooks import ThresholdState, threshold_hook
+
+            opt = sgd(ddp.parameters())
+            state = ThresholdState(optimizer=opt)
+            ddp.register_comm_hook(state, timer.wrap(threshold_hook))
+            info["compression"] = repr(state.sharing.compression)
+            account = lambda: {"bytes_sent": state.stats.bytes_sent, "dense_bytes": state.stats.dense_bytes,  # noqa
+                               "summary": _jsonable(state.stats.summary())}
+            return ddp, opt, info, account
         elif name == "gradshare_hook":
             from gradshare.hooks import ThresholdState, threshold_hook
             from gradshare.thresholds import Adaptive, ResidualClipping
 
-            state = ThresholdState(process_group=None, threshold=Adaptive(initial=args.initial_tau),
+            state = ThresholdState(process_group=None, compression=Adaptive(initial=args.initial_tau),
                                    clipping=ResidualClipping())
             ddp.register_comm_hook(state, timer.wrap(threshold_hook))
             info["initial_tau"] = args.initial_tau
@@ -202,7 +203,7 @@ def setup_contender(name: str, model: nn.Module, args, total_steps: int, timer: 
             from gradshare.hooks import ThresholdState, threshold_hook
 
             th, clipping = dgc_config()
-            state = ThresholdState(process_group=None, threshold=th, clipping=clipping, momentum=args.momentum)
+            state = ThresholdState(process_group=None, compression=th, clipping=clipping, momentum=args.momentum)
             ddp.register_comm_hook(state, timer.wrap(threshold_hook))
             account = lambda: {"bytes_sent": state.stats.bytes_sent, "dense_bytes": state.stats.dense_bytes,  # noqa
                                "summary": _jsonable(state.stats.summary())}
@@ -215,11 +216,19 @@ def setup_contender(name: str, model: nn.Module, args, total_steps: int, timer: 
         opt = PostLocalSGDOptimizer(sgd(model.parameters()), PeriodicModelAverager(period=args.period, warmup_steps=0))
         info["period"] = args.period
         return model, opt, info, account
+    if name == "gradshare_optimizer_auto":
+        from gradshare.optim import SharedOptimizer
+
+        opt = SharedOptimizer(sgd(model.parameters()))
+        info["compression"] = repr(opt.compression)
+        account = lambda: {"bytes_sent": opt.stats.bytes_sent, "dense_bytes": opt.stats.dense_bytes,  # noqa: E731
+                           "summary": _jsonable(opt.stats.summary())}
+        return model, opt, info, account
     if name == "gradshare_optimizer":
         from gradshare.optim import SharedOptimizer
         from gradshare.thresholds import Adaptive, ResidualClipping
 
-        opt = SharedOptimizer(sgd(model.parameters()), mode="gradients", threshold=Adaptive(initial=args.initial_tau),
+        opt = SharedOptimizer(sgd(model.parameters()), mode="gradients", compression=Adaptive(initial=args.initial_tau),
                               clipping=ResidualClipping())
         info["initial_tau"] = args.initial_tau
         account = lambda: {"bytes_sent": opt.stats.bytes_sent, "dense_bytes": opt.stats.dense_bytes,  # noqa: E731
@@ -229,7 +238,7 @@ def setup_contender(name: str, model: nn.Module, args, total_steps: int, timer: 
         from gradshare.optim import SharedOptimizer
 
         th, clipping = dgc_config()
-        opt = SharedOptimizer(plain_sgd(model.parameters()), mode="gradients", threshold=th, clipping=clipping,
+        opt = SharedOptimizer(plain_sgd(model.parameters()), mode="gradients", compression=th, clipping=clipping,
                               momentum=args.momentum)
         account = lambda: {"bytes_sent": opt.stats.bytes_sent, "dense_bytes": opt.stats.dense_bytes,  # noqa: E731
                            "summary": _jsonable(opt.stats.summary())}
@@ -266,10 +275,11 @@ def calibrate_compute(model: nn.Module, x: torch.Tensor, y: torch.Tensor, args, 
 
 # ------------------------------------------------------------------------------------------------ main
 def run(args) -> dict:
+    from gradshare import process_group
     from gradshare.data import train_shard
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    process_group.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     (xtr, ytr), (xte, yte) = load_data(args.data_dir, args.train_subset, args.test_subset, args.seed)
     torch.manual_seed(args.seed)
@@ -350,7 +360,7 @@ def run(args) -> dict:
     with open(path, "w") as f:
         json.dump(out, f)
     dist.barrier()
-    dist.destroy_process_group()
+    process_group.destroy_process_group()
     return out
 
 

@@ -59,6 +59,35 @@ py::tuple encode(uintptr_t update, int32_t dtype, uintptr_t residual, int64_t n,
   return py::make_tuple(r.length, r.count, r.nonfinite_index, r.format);
 }
 
+// Top-k / 8-bit top-k (param = k) or ternary (param = fraction) encode, `format` the message format code;
+// returns (length, entries, first bad).
+py::tuple encode_chunked(int32_t format, uintptr_t update, int32_t dtype, uintptr_t residual, int64_t n, int64_t chunk,
+                         double param, uintptr_t out, int64_t capacity, bool cuda, uintptr_t stream) {
+  gs::ChunkedResult r;
+  {
+    py::gil_scoped_release nogil;
+    if (cuda) {
+#ifdef GS_HAVE_CUDA
+      r = format != gs::kTernary
+              ? gs::encode_topk_cuda(ptr<const void>(update), dtype, ptr<float>(residual), n, chunk,
+                                     static_cast<int64_t>(param), format, ptr<int32_t>(out), capacity, ptr<void>(stream))
+               : gs::encode_ternary_cuda(ptr<const void>(update), dtype, ptr<float>(residual), n, chunk,
+                                         static_cast<float>(param), ptr<int32_t>(out), capacity, ptr<void>(stream));
+#else
+      (void)stream;
+      no_cuda();
+#endif
+    } else {
+      r = format != gs::kTernary
+              ? gs::encode_topk_cpu(ptr<const void>(update), dtype, ptr<float>(residual), n, chunk,
+                                    static_cast<int64_t>(param), format, ptr<int32_t>(out), capacity)
+               : gs::encode_ternary_cpu(ptr<const void>(update), dtype, ptr<float>(residual), n, chunk,
+                                        static_cast<float>(param), ptr<int32_t>(out), capacity);
+    }
+  }
+  return py::make_tuple(r.length, r.entries, r.nonfinite_index);
+}
+
 void decode(uintptr_t dst, int64_t n, uintptr_t msgs, int64_t num_msgs, int64_t row_words, float scale, bool cuda,
             uintptr_t stream) {
   py::gil_scoped_release nogil;
@@ -117,6 +146,7 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<gs::MessageError>(m, "MessageError", PyExc_ValueError);
   m.def("count", &count);
   m.def("encode", &encode);
+  m.def("encode_chunked", &encode_chunked);
   m.def("decode", &decode);
   m.def("average", &average);
   m.def("build_info", &build_info);

@@ -7,7 +7,7 @@ Spark's local mode requires. ``config`` keys (all optional): data ("synthetic" o
 batch, lr, seed, train_size (training rows used), kill_at_step + kill_rank (SIGKILL that rank before that
 step on the first attempt only: torchrun's restart count is 0 and kill_once_file does not exist yet),
 hang_at_step (that rank stops answering instead), attempt_log (a file each rank appends the steps it
-executes to), step_sleep (seconds per step).
+executes to), step_sleep (seconds per step), hook (register gradshare's threshold hook on the DDP model).
 """
 import gzip
 import os
@@ -77,6 +77,10 @@ def train(config, ctx):
     model = torch.nn.Sequential(torch.nn.Dropout(0.2), torch.nn.Linear(xtr.shape[1], int(ytr.max()) + 1))
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+    if config.get("hook"):
+        import gradshare
+
+        ddp.register_comm_hook(gradshare.ThresholdState(optimizer=opt), gradshare.threshold_hook)
     torch.manual_seed(seed * 7919 + ctx.rank)  # dropout masks differ per rank; restored from checkpoints
     totals = {"steps": 0, "samples": 0, "steps_seen": []}
     if ctx.restore(objects={"model": model, "optimizer": opt}):
@@ -131,3 +135,12 @@ def fail_on_rank_1(marker_dir):
         return "unreachable"
     finally:
         dist.destroy_process_group()
+
+
+def exchange_once(config, ctx):
+    """One asynchronous gradshare exchange on the default channel (its private group must not outlive the run)."""
+    import gradshare
+
+    g = torch.full((64,), 0.5)
+    fut = gradshare.exchange_async(g, torch.zeros(64), 0.25)
+    return {"stats": {"steps": int(fut.wait().count > 0)}}

@@ -65,11 +65,37 @@ def test_keep_last_k(tmp_path):
     assert len(checkpoint.list_checkpoints(str(tmp_path))) == 3
 
 
-def test_resuming_from_an_older_checkpoint_drops_the_abandoned_newer_ones(tmp_path):
-    for step in (10, 20, 30):
+def test_pruning_never_deletes_a_newer_checkpoint(tmp_path):
+    # A run that resumed from step 10 (say 20 and 30 could not be read for a moment) saves 15: pruning keeps
+    # the newest two up to 15 and leaves 20 and 30 alone, so a later restart can still read them.
+    for step in (5, 10, 20, 30):
         checkpoint.save(str(tmp_path), step, keep_last=5)
-    checkpoint.save(str(tmp_path), 15, keep_last=5)  # a run that resumed from step 10
-    assert checkpoint.latest(str(tmp_path)) == checkpoint.checkpoint_path(str(tmp_path), 15)
+    checkpoint.save(str(tmp_path), 15, keep_last=2)
+    names = [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))]
+    assert names == ["ckpt-000000010.pt", "ckpt-000000015.pt", "ckpt-000000020.pt", "ckpt-000000030.pt"]
+    assert checkpoint.latest(str(tmp_path)) == checkpoint.checkpoint_path(str(tmp_path), 30)
+
+
+def test_transient_read_error_deletes_no_good_checkpoint(tmp_path, monkeypatch):
+    d = str(tmp_path)
+    for step in (10, 20):
+        checkpoint.save(d, step, {"step": step}, keep_last=1)
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(d)] == ["ckpt-000000020.pt"]
+    newest = checkpoint.checkpoint_path(d, 20)
+    checkpoint.save(d, 10, {"step": 10}, keep_last=1)       # (re)written by a run that could not read 20
+    real_open = open
+
+    def flaky_open(path, *a, **k):
+        if os.path.abspath(str(path)) == os.path.abspath(newest):
+            raise OSError(5, "Input/output error")
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr("builtins.open", flaky_open)
+    assert checkpoint.load_latest(d).step == 10              # falls back while 20 cannot be read...
+    checkpoint.save(d, 11, {"step": 11}, keep_last=1)          # ...and the next save's pruning...
+    monkeypatch.undo()
+    assert os.path.exists(newest)                              # ...leaves the newer, good file alone
+    assert checkpoint.load_latest(d).state == {"step": 20}
 
 
 def test_latest_skips_partial_and_unreadable_files(tmp_path):
@@ -84,8 +110,10 @@ def test_latest_skips_partial_and_unreadable_files(tmp_path):
         f.write(b"partial")
     assert checkpoint.latest(d) == good
     assert checkpoint.load_latest(d).state == {"x": 1}
-    with pytest.raises(ValueError, match="not a readable checkpoint"):
+    with pytest.raises(ValueError, match="not a gradshare checkpoint"):
         checkpoint.load(checkpoint.checkpoint_path(d, 6))
+    with pytest.raises(checkpoint.CheckpointError, match="not a gradshare checkpoint"):
+        checkpoint.load(checkpoint.checkpoint_path(d, 7))
 
 
 def test_failed_replace_leaves_previous_checkpoint_and_no_temporary(tmp_path, monkeypatch):
@@ -108,16 +136,13 @@ _KILLED_WRITER = textwrap.dedent("""
     from gradshare import checkpoint
     d = sys.argv[1]
     checkpoint.save(d, 1, {"weights": torch.full((1000,), 1.0)})
-    real_save = torch.save
-    def dying_save(obj, f):
-        # Write half of the real bytes, make sure they reach the file, then die without any cleanup.
-        import io
-        buf = io.BytesIO(); real_save(obj, buf)
-        data = buf.getvalue()
-        f.write(data[: len(data) // 2]); f.flush(); os.fsync(f.fileno())
+    real_fsync = os.fsync
+    def dying_fsync(fd):
+        # The new file's bytes are written: make them durable, then die before the rename, without cleanup.
+        real_fsync(fd)
         print("dying", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
-    torch.save = dying_save
+    os.fsync = dying_fsync
     checkpoint.save(d, 2, {"weights": torch.full((1000,), 2.0)})
     print("unreachable", flush=True)
 """)
@@ -174,3 +199,169 @@ def test_write_failure_on_rank_0_raises_on_every_rank(tmp_path):
     with pytest.raises(WorkerError, match="was not written") as info:
         run_local(_save_into_a_file, 2, (str(blocker),), timeout=120, collective_timeout=60)
     assert "Error" in info.value.detail
+
+
+# -------------------------------------------------------------------------------------------- hostile files
+_PAYLOAD = textwrap.dedent("""
+    import os, pickle, sys
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + sys.argv[2],))
+
+    data = pickle.dumps({"state": Evil(), "ranks": []})
+    sys.stdout.buffer.write(data)
+""")
+
+
+def _evil_pickle(marker: str) -> bytes:
+    return subprocess.run([sys.executable, "-c", _PAYLOAD, "x", marker], capture_output=True, check=True,
+                          timeout=60).stdout
+
+
+def _with_header(payload: bytes, step: int = 9) -> bytes:
+    """A valid header and checksum over any payload (what an attacker who read the format would write)."""
+    import json
+
+    fields = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "step": step, "world_size": 1,
+              "bytes": len(payload)}
+    return json.dumps(dict(fields, sha256=checkpoint._digest(fields, payload))).encode() + b"\n" + payload
+
+
+def test_a_code_payload_is_never_executed(tmp_path):
+    d, marker = tmp_path / "ckpt", tmp_path / "executed"
+    d.mkdir()
+    checkpoint.save(str(d), 3, {"x": 1})
+    evil = _evil_pickle(str(marker))
+    (d / "ckpt-000000008.pt").write_bytes(evil)                      # a raw pickle dropped into the folder
+    (d / "ckpt-000000009.pt").write_bytes(_with_header(evil))         # one behind a valid header and checksum
+    for path in ("ckpt-000000008.pt", "ckpt-000000009.pt"):
+        with pytest.raises(checkpoint.CheckpointError):
+            checkpoint.load(str(d / path))
+    assert checkpoint.latest(str(d)) == str(d / "ckpt-000000009.pt")   # checksum fine: nothing unpickled yet
+    assert checkpoint.load_latest(str(d)).state == {"x": 1}           # the payload is refused, the good one loads
+    assert not marker.exists()
+
+
+def test_flipped_byte_missing_key_and_foreign_files_are_refused_in_one_line(tmp_path):
+    d = str(tmp_path)
+    path = checkpoint.save(d, 4, {"weights": torch.arange(64.0)})
+    data = bytearray(open(path, "rb").read())
+    data[-40] ^= 0x10                                                 # inside the tensor bytes
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(checkpoint.CheckpointError, match="does not match its checksum") as info:
+        checkpoint.load(path)
+    assert "\n" not in str(info.value)
+    import io as _io
+    buf = _io.BytesIO()
+    torch.save({"state": {}}, buf)                                     # no per-rank state
+    open(path, "wb").write(_with_header(buf.getvalue()))
+    with pytest.raises(checkpoint.CheckpointError, match="lacks"):
+        checkpoint.load(path)
+    with pytest.raises(checkpoint.CheckpointError, match="not a gradshare checkpoint"):
+        open(path, "wb").write(b"PK\x03\x04 a zip file")
+        checkpoint.load(path)
+
+
+def test_unsaveable_values_are_refused_when_saving(tmp_path):
+    with pytest.raises(TypeError, match=r"\['bad'\] has type object"):
+        checkpoint.save(str(tmp_path), 1, {"bad": object()})
+    assert checkpoint.list_checkpoints(str(tmp_path)) == []
+    path = checkpoint.save(str(tmp_path), 2, {"np": np.arange(3), "scalar": np.float32(1.5), "t": (1, "a", None)})
+    st = checkpoint.load(path).state
+    assert torch.equal(st["np"], torch.arange(3)) and st["scalar"] == 1.5 and st["t"] == (1, "a", None)
+
+
+def test_files_are_created_with_their_final_mode(tmp_path, monkeypatch):
+    modes = []
+    real = os.open
+
+    def spy(path, flags, mode=0o777, *a, **k):
+        if os.path.basename(str(path)).startswith(".tmp-ckpt-"):
+            modes.append(mode)
+        return real(path, flags, mode, *a, **k)
+
+    monkeypatch.setattr(checkpoint.os, "open", spy)
+    old = os.umask(0o027)
+    try:
+        path = checkpoint.save(str(tmp_path), 1, {"x": 1})
+    finally:
+        os.umask(old)
+    assert modes == [0o666]
+    assert os.stat(path).st_mode & 0o777 == 0o640
+
+
+def test_fuzzed_checkpoint_files_are_refused_or_load_identically(tmp_path):
+    """10,000 damaged files: random bytes, truncations, bit flips and pickles are refused with one line; a valid
+    header over a damaged payload is refused or loads as plain data; nothing crashes or runs."""
+    rng = np.random.default_rng(7)
+    good = checkpoint.save(str(tmp_path), 1, {"w": torch.arange(16.0), "n": 3, "s": "x"})
+    original = open(good, "rb").read()
+    head_len = original.index(b"\n") + 1
+    payload = original[head_len:]
+    import pickle
+    pickles = [pickle.dumps(x) for x in ({"state": {}, "ranks": []}, [1, 2], "text", None)]
+    path = str(tmp_path / "ckpt-000000002.pt")
+    outcomes = {"refused": 0, "identical": 0, "intact": 0}
+    for i in range(10_000):
+        kind = i % 5
+        if kind == 0:
+            data = rng.bytes(int(rng.integers(0, 400)))
+        elif kind == 1:
+            data = original[:int(rng.integers(0, len(original)))]
+        elif kind == 2:
+            data = bytearray(original)
+            for _ in range(int(rng.integers(1, 4))):
+                j = int(rng.integers(0, len(data)))
+                data[j] ^= 1 << int(rng.integers(0, 8))
+            data = bytes(data)
+        elif kind == 3:
+            data = pickles[i % len(pickles)]
+        else:
+            bad = bytearray(payload)
+            j = int(rng.integers(0, len(bad)))
+            bad[j] ^= 0xFF
+            data = _with_header(bytes(bad))                       # checksum right, payload damaged
+        with open(path, "wb") as f:
+            f.write(data)
+        outcomes["intact"] += kind < 4 and data == original
+        try:
+            ck = checkpoint.load(path)
+        except checkpoint.CheckpointError as e:
+            assert "\n" not in str(e)
+            outcomes["refused"] += 1
+            continue
+        if kind < 4:        # damage the checksum does not cover: only the intact file loads, bit-identical
+            assert data == original, i
+            assert ck.step == 1 and torch.equal(ck.state["w"], torch.arange(16.0)) and ck.state["n"] == 3
+        else:               # a payload behind a valid checksum loads as exactly what it holds: plain data
+            import io as _io
+            with open(path, "rb") as f:
+                f.readline()
+                again = torch.load(_io.BytesIO(f.read()), weights_only=True)
+            assert ck.state.keys() == again["state"].keys() and ck.step == 9
+        outcomes["identical"] += 1
+    # every damaged file without a matching checksum was refused (kinds 0-3: 8,000 files, a few left intact)
+    assert outcomes["refused"] >= 8000 - outcomes["intact"]
+
+
+def _resume_point(config, ctx):
+    return ctx.start_step
+
+
+def test_cluster_resume_never_runs_a_dropped_in_payload(tmp_path, monkeypatch):
+    from gradshare import cluster
+    from gradshare.workers import free_port
+
+    d, marker = tmp_path / "ckpt", tmp_path / "executed"
+    d.mkdir()
+    checkpoint.save(str(d), 20, {"x": 1})
+    evil = _evil_pickle(str(marker))
+    (d / "ckpt-000000030.pt").write_bytes(evil)
+    (d / "ckpt-000000040.pt").write_bytes(_with_header(evil, step=40))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert cluster.run(_resume_point, None, checkpoint_dir=str(d), collective_timeout=30) == 20
+    assert not marker.exists()

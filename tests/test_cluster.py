@@ -5,6 +5,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -104,10 +105,8 @@ def _restore_into_fresh_model(config, ctx):
 def test_world_size_change_restores_shared_state_only(tmp_path, monkeypatch):
     import torch
     source = torch.nn.Linear(2, 1)
-    checkpoint.write_atomic({"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "step": 30,
-                             "world_size": 2, "state": {"model": source.state_dict()},
-                             "ranks": [{"residual": None}, {"residual": None}]},
-                            checkpoint.checkpoint_path(str(tmp_path), 30))
+    checkpoint.write_atomic({"state": {"model": source.state_dict()}, "ranks": [{"residual": None}, {"residual": None}]},
+                            checkpoint.checkpoint_path(str(tmp_path), 30), step=30, world_size=2)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     monkeypatch.setenv("RANK", "0")
@@ -153,9 +152,14 @@ def test_torchrun_restart_after_sigkill_resumes_from_checkpoint(tmp_path, refere
 @pytest.mark.slow
 @needs_torchrun
 def test_torchrun_dead_peer_without_restarts_fails_fast(tmp_path):
+    t0 = time.monotonic()
     proc, _ = _torchrun(tmp_path, dict(FAULT_CONFIG, steps=40, kill_at_step=5), max_restarts=0, timeout=90)
     assert proc.returncode != 0
-    assert "Connection closed by peer" in proc.stderr or "Connection reset by peer" in proc.stderr
+    # Fast: far inside the 300 s collective timeout. Whichever comes first names the fault: the survivor's
+    # gloo error for the closed connection, or torchrun's report of the killed worker (it then stops the rest).
+    assert time.monotonic() - t0 < 60
+    assert any(s in proc.stderr for s in ("Connection closed by peer", "Connection reset by peer",
+                                          "Signal 9 (SIGKILL) received")), proc.stderr[-3000:]
 
 
 @pytest.mark.slow

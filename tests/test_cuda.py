@@ -430,3 +430,103 @@ def test_native_cuda_entry_points_refuse_unreachable_host_memory():
     else:
         torch.cuda.synchronize()
         assert_bits_equal(dev, host)
+
+
+# ---------------------------------------------------------------------------------------------------
+# top-k and ternary (csrc/cuda/chunked.cu against csrc/cpu/chunked.cpp)
+# ---------------------------------------------------------------------------------------------------
+
+def chunked_state(n, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    update = (torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4).to(dtype)
+    residual = torch.randn(n, generator=g) * 0.01
+    if n > 8:   # ties of magnitude, exact zeros, -0.0
+        update[3], residual[3] = update[2], residual[2]
+        update[5], residual[5] = -update[2], -residual[2]
+        update[6], residual[6], update[7], residual[7] = 0.0, 0.0, -0.0, -0.0
+    return update, residual
+
+
+def chunked_both(kind, update, residual, param, chunk):
+    if kind == "ternary":
+        enc = ops.encode_ternary
+    else:
+        def enc(u, r, k, chunk):
+            return ops.encode_topk(u, r, k, chunk=chunk, values="int8" if kind == "topk8" else "bf16")
+    r_cpu, r_gpu = residual.clone(), gpu(residual)
+    m_cpu, m_gpu = enc(update, r_cpu, param, chunk=chunk), enc(gpu(update), r_gpu, param, chunk=chunk)
+    assert m_gpu.device.type == r_gpu.device.type == DEV
+    assert_bits_equal(m_gpu, m_cpu)
+    assert_bits_equal(r_gpu, r_cpu)
+    return m_cpu
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 255, 257, 4095, 4096, 4097, 3 * 4096 + 17, 2**20 + 7])
+@pytest.mark.parametrize("chunk,k", [(16, 1), (64, 64), (4096, 41), (4096, 1024), (65536, 655)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["topk", "topk8"])
+def test_topk_matches_cpu(n, chunk, k, dtype, kind):
+    chunked_both(kind, *chunked_state(n, dtype, seed=n), k, chunk)
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 31, 32, 33, 255, 4095, 4096, 4097, 3 * 4096 + 17, 2**20 + 7])
+@pytest.mark.parametrize("chunk", [16, 48, 4096])
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 2.0])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ternary_matches_cpu(n, chunk, fraction, dtype):
+    chunked_both("ternary", *chunked_state(n, dtype, seed=n), fraction, chunk)
+
+
+def test_topk_equal_magnitudes_take_the_lowest_indices():
+    update = torch.ones(4096) * 0.5
+    update[::7] = -0.5
+    chunked_both("topk", update, torch.zeros(4096), 100, 4096)
+
+
+@pytest.mark.parametrize("kind", ["topk", "topk8", "ternary"])
+@pytest.mark.parametrize("where", [0, 4097, 3 * 4096 + 5])
+def test_chunked_nonfinite_marker_like_cpu(kind, where):
+    update, residual = chunked_state(3 * 4096 + 17)
+    update[where] = float("nan")
+    msg = chunked_both(kind, update, residual, 0.5 if kind == "ternary" else 41, 4096)
+    assert int(msg[1]) == NONFINITE and int(msg[3]) == where
+
+
+@pytest.mark.parametrize("kind", ["topk", "topk8", "ternary"])
+@pytest.mark.parametrize("scale", [1.0, -0.5])
+def test_chunked_decode_matches_cpu(kind, scale):
+    rows = torch.stack([chunked_both(kind, *chunked_state(70001, seed=s), 0.5 if kind == "ternary" else 41, 4096)
+                        for s in range(3)])
+    d_cpu = torch.randn(70001)
+    d_gpu = gpu(d_cpu)
+    ops.decode(d_cpu, rows, scale=scale)
+    ops.decode(d_gpu, gpu(rows), scale=scale)
+    assert_bits_equal(d_gpu, d_cpu)
+
+
+@pytest.mark.parametrize("kind", ["topk", "topk8", "ternary"])
+def test_chunked_mutations_rejected_like_cpu(kind):
+    rng = np.random.default_rng(5)
+    base = chunked_both(kind, *chunked_state(10_000), 0.5 if kind == "ternary" else 41, 4096)
+    for _ in range(300):
+        msg = base.clone()
+        i = int(rng.integers(0, msg.numel()))
+        msg[i] = int(rng.integers(-2**31, 2**31, dtype=np.int64))
+        d_cpu = torch.randn(10_000)
+        d_gpu = gpu(d_cpu)
+        try:
+            ops.decode(d_cpu, msg)
+            cpu_err = None
+        except gradshare.MessageError as e:
+            cpu_err = str(e)
+        before = d_gpu.clone()
+        try:
+            ops.decode(d_gpu, gpu(msg))
+            gpu_err = None
+        except gradshare.MessageError as e:
+            gpu_err = str(e)
+        assert gpu_err == cpu_err
+        if cpu_err is None:
+            assert_bits_equal(d_gpu, d_cpu)
+        else:
+            assert_bits_equal(d_gpu, before)

@@ -71,10 +71,11 @@ def test_history_bytes(trained):
     _, avg, _ = trained["averaging"]
     for h in shared + avg:
         assert 0 < h["bytes_sent"] < h["dense_bytes"]
-    # thresholded gradients send far less than dense allreduce; averaging every 5 steps with Adam's two
-    # moments averaged too sends 3/5 of dense (plus one round at each epoch end)
-    assert sum(h["bytes_sent"] for h in shared) * 10 < sum(h["dense_bytes"] for h in shared)
-    assert all(0 < h["density"] < 0.5 for h in shared)
+    # Adam's updates go ternary-coded (2 bits per element: 16x fewer bytes than dense allreduce, whatever
+    # fraction of the elements is sent); averaging every 5 steps with Adam's two moments averaged too sends
+    # 3/5 of dense (plus one round at each epoch end)
+    assert sum(h["bytes_sent"] for h in shared) * 15 < sum(h["dense_bytes"] for h in shared)
+    assert all(0 < h["density"] <= 1 for h in shared)
     assert all(h["density"] is None for h in avg)
 
 

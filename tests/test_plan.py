@@ -24,7 +24,7 @@ def test_plan_exact_cost_numbers(capsys):
     assert s["allreduce"]["step_time"] == pytest.approx(0.42)
     assert s["allreduce"]["speedup"] == pytest.approx(2 * 0.1 / 0.42)
     assert s["fp16"]["bytes_per_step"] == 2_000_000
-    assert s["sharing"]["bytes_per_step"] == 4 * 1005 + 32
+    assert s["sharing"]["bytes_per_step"] == 4 * 10005 + 32      # density 1e-2 (TopK's default): 10,000 entries
     assert s["bitmap"]["bytes_per_step"] == 4 * 62505 + 32
     # averaging: 320 ms per full allreduce, <= 10 ms per step needs k = 32 > 20: no period suggested
     assert out["averaging"]["period"] is None
@@ -44,13 +44,15 @@ def test_large_model_slow_link_recommends_sharing(capsys):
     out = run_plan(capsys, "--params", "25000000", "--workers", "2", "--bandwidth", "100mbit", "--step-time", "1000")
     assert out["recommendation"] == "sharing"
     assert out["dl4j_band"] == "scales-well"
-    assert "Adaptive" in out["threshold"]["algorithm"]
+    # 10% of a 1 s step carries ~1.1% dense messages at 100 Mbit/s: TopK(0.01) fits, a ternary message does not
+    assert out["compression"]["algorithm"].startswith("ThresholdState(optimizer=opt) for SGD; compression=TopK")
+    assert 0.01 <= out["compression"]["fitting_density"] < 1 / 16
 
 
 def test_small_model_fast_link_recommends_allreduce(capsys):
     out = run_plan(capsys, "--params", "100000", "--workers", "2", "--bandwidth", "10gbit", "--step-time", "200")
     assert out["recommendation"] == "allreduce"
-    assert out["threshold"]["algorithm"].startswith("Adaptive(initial=1e-3, min_sparsity=1e-4, max_sparsity=1e-2)")
+    assert out["compression"]["algorithm"].startswith("ThresholdState(optimizer=opt) (TopK(0.01) for SGD, Ternary()")
 
 
 def test_tiny_step_is_not_worth_distributing(capsys):
@@ -76,7 +78,7 @@ def test_many_workers_past_crossover_say_dense_fallback(capsys):
     assert out["sparse_allgather_crossover_workers"] == 200
     assert s["sharing"]["detail"]["dense_fallback"] == 1.0
     assert s["sharing"]["bytes_per_step"] == pytest.approx(cm.dense_allreduce_bytes(400, 1_000_000) + 399 * 32)
-    assert "falls back" in out["threshold"]["why"]
+    assert "falls back" in out["compression"]["why"]
 
 
 def test_model_is_loaded_and_counted(capsys):
@@ -101,8 +103,8 @@ def test_text_output_names_the_choice(capsys):
     assert "use: sharing" in text and "allreduce" in text and "DL4J rule: scales-well" in text
 
 
-def test_measure_needs_model():
+def test_measure_needs_model(capsys):
     p = argparse.ArgumentParser()
     plan.add_arguments(p)
-    with pytest.raises(SystemExit):
-        plan.run(p.parse_args(["--params", "10", "--measure"]))
+    assert plan.run(p.parse_args(["--params", "10", "--measure"])) == 2
+    assert "--measure needs --model" in capsys.readouterr().err

@@ -1,4 +1,5 @@
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -68,3 +69,17 @@ def test_stop_process_group_stops_the_child_and_what_it_spawned():
         time.sleep(0.05)
     assert not _alive(grandchild)
     stop_process_group(proc)          # already stopped: returns at once
+
+
+def _listening_addresses():
+    import subprocess
+
+    out = subprocess.run(["ss", "-ltn", "-p"], capture_output=True, text=True, timeout=30).stdout
+    return [line.split()[3] for line in out.splitlines() if f"pid={os.getpid()}," in line]
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+def test_workers_listen_on_the_rendezvous_address_only():
+    # torch's own store (and gloo, without GLOO_SOCKET_IFNAME) would listen on every interface of the host
+    for addresses in run_local(_listening_addresses, 2, timeout=60):
+        assert addresses and all(a.startswith("127.0.0.1:") for a in addresses), addresses

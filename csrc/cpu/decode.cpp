@@ -29,8 +29,77 @@ int64_t first_bad_sparse(const int32_t* p, int64_t count, int64_t n) {
   return -1;
 }
 
+// Top-k / ternary payloads, chunk by chunk (parallel over chunks): the first bad chunk's complaint.
+void validate_chunked(const int32_t* msg, int64_t m, int64_t n, float scale) {
+  const int64_t chunk = msg[3], k = msg[4], nch = (n + chunk - 1) / chunk;
+  const int32_t* p = msg + kHeaderWords;
+  const int32_t format = msg[1];
+  const int64_t per_full = chunk_stride(format, chunk, k);
+  int64_t first = nch, total = 0;
+  int reason = 0;
+#ifdef GS_HAVE_OPENMP
+#pragma omp parallel for schedule(static) reduction(+ : total) if (n >= kParallelMin)
+#endif
+  for (int64_t c = 0; c < nch; ++c) {
+    int64_t entries = 0;
+    const int why = check_chunk(p + c * per_full, format, k, chunk_len(n, chunk, c), chunk, scale, &entries);
+    total += entries;
+    if (why) {
+#ifdef GS_HAVE_OPENMP
+#pragma omp critical
+#endif
+      if (c < first) {
+        first = c;
+        reason = why;
+      }
+    }
+  }
+  if (first < nch) fail(m, "chunk " + std::to_string(first) + " " + chunk_complaint(reason));
+  if (format == kTernary && total != k)
+    fail(m, "ternary codes hold " + std::to_string(total) + " entries but the header says " + std::to_string(k));
+}
+
+void apply_chunked(float* dst, const int32_t* msg, int64_t n, float scale) {
+  const int64_t chunk = msg[3], k = msg[4], nch = (n + chunk - 1) / chunk;
+  const int32_t* p = msg + kHeaderWords;
+  const int32_t format = msg[1];
+  const int64_t per_full = chunk_stride(format, chunk, k);
+  GS_PARALLEL_FOR(n >= kParallelMin)
+  for (int64_t c = 0; c < nch; ++c) {
+    const int64_t lo = c * chunk, len = chunk_len(n, chunk, c);
+    const int32_t* w = p + c * per_full;
+    float* d = dst + lo;
+    if (format == kTopK8) {
+      const int64_t kc = topk_k(k, len, chunk);
+      const float s = bits_to_float(w[0]);
+      for (int64_t i = 0; i < kc; ++i)
+        d[topk8_index(w, i)] += topk8_entry(topk8_value(w, kc, i), s) * scale;
+      continue;
+    }
+    if (format == kTopK) {
+      for (int64_t i = 0; i < topk_k(k, len, chunk); ++i) {
+        const uint32_t e = static_cast<uint32_t>(w[i]);
+        d[e & 0xffffu] += bf16_bits_to_float(static_cast<uint16_t>(e >> 16)) * scale;
+      }
+      continue;
+    }
+    const float v = bits_to_float(w[0]) * scale;
+    for (int64_t q = 0; q < (len + 15) / 16; ++q) {
+      const uint32_t x = static_cast<uint32_t>(w[1 + q]);
+      for (uint32_t present = x & 0xffffu; present != 0; present &= present - 1) {
+        const int b = lowest_bit(present);
+        d[q * 16 + b] += (x >> (b + 16)) & 1u ? -v : v;
+      }
+    }
+  }
+}
+
 void validate(const int32_t* msg, int64_t m, int64_t row_words, int64_t n, float scale) {
   if (const char* err = check_header(msg, row_words, n, scale)) fail(m, err);
+  if (is_chunked(msg[1])) {
+    validate_chunked(msg, m, n, scale);
+    return;
+  }
   const int32_t* p = msg + kHeaderWords;
   const int64_t count = msg[3];
   if (msg[1] == kSparse) {
@@ -57,6 +126,10 @@ void validate(const int32_t* msg, int64_t m, int64_t row_words, int64_t n, float
 }
 
 void apply(float* dst, const int32_t* msg, int64_t n, float scale) {
+  if (is_chunked(msg[1])) {
+    apply_chunked(dst, msg, n, scale);
+    return;
+  }
   const float v = entry_value(bits_to_float(msg[4]), scale);
   const int32_t* p = msg + kHeaderWords;
   if (msg[1] == kSparse) {
@@ -90,6 +163,7 @@ void decode_cpu(float* dst, int64_t n, const int32_t* msgs, int64_t num_msgs, in
   if (num_msgs < 0) throw std::invalid_argument("messages: negative count");
   if (!is_finite(scale)) throw std::invalid_argument("scale must be finite");
   for (int64_t m = 0; m < num_msgs; ++m) validate(msgs + m * row_words, m, row_words, n, scale);
+  if (dst == nullptr) return;  // validation only
   for (int64_t m = 0; m < num_msgs; ++m) apply(dst, msgs + m * row_words, n, scale);
 }
 

@@ -83,6 +83,60 @@ __global__ void __launch_bounds__(kThreads) apply_bitmap_kernel(float* dst, cons
   }
 }
 
+// Top-k / ternary payloads: one thread per chunk; the first bad chunk and why, as atomicMin(chunk * 8 + why)
+// (the CPU's reasons: 1 entry index or value, 2 value * scale overflows, 3 scale, 4 code word), and the
+// ternary entry count.
+__global__ void __launch_bounds__(kThreads)
+    check_chunked_kernel(const int32_t* p, int64_t n, int64_t chunk, int64_t k, int32_t format, float scale,
+                         unsigned long long* first_bad, unsigned long long* entries) {
+  const int64_t c = thread_index(), nch = (n + chunk - 1) / chunk;
+  if (c >= nch) return;
+  int64_t cnt = 0;
+  const int why = check_chunk(p + c * chunk_stride(format, chunk, k), format, k, chunk_len(n, chunk, c), chunk, scale,
+                              &cnt);
+  if (cnt) atomicAdd(entries, static_cast<unsigned long long>(cnt));
+  if (why) atomicMin(first_bad, static_cast<unsigned long long>(c) * 8 + why);
+}
+
+// One thread per entry (entries of a message are distinct elements).
+__global__ void __launch_bounds__(kThreads)
+    apply_topk_kernel(float* dst, const int32_t* p, int64_t n, int64_t chunk, int64_t k, int64_t entries, float scale) {
+  const int64_t e = thread_index();
+  if (e >= entries) return;
+  const int64_t full = n / chunk, c = k > 0 && e < full * k ? e / k : full;
+  const uint32_t w = static_cast<uint32_t>(p[e]);
+  const int64_t i = c * chunk + (w & 0xffffu);
+  if (i < n) dst[i] += bf16_bits_to_float(static_cast<uint16_t>(w >> 16)) * scale;
+}
+
+// One thread per entry slot of the full-chunk layout (entries of a message are distinct elements).
+__global__ void __launch_bounds__(kThreads)
+    apply_topk8_kernel(float* dst, const int32_t* p, int64_t n, int64_t chunk, int64_t k, float scale) {
+  const int64_t t = thread_index(), nch = (n + chunk - 1) / chunk;
+  if (k == 0 || t >= nch * k) return;
+  const int64_t c = t / k, i = t % k, len = chunk_len(n, chunk, c), kc = topk_k(k, len, chunk);
+  if (i >= kc) return;
+  const int32_t* w = p + c * topk8_chunk_words(k);
+  const int64_t local = topk8_index(w, i);
+  if (local < len) dst[c * chunk + local] += topk8_entry(topk8_value(w, kc, i), bits_to_float(w[0])) * scale;
+}
+
+// One thread per element.
+__global__ void __launch_bounds__(kThreads)
+    apply_ternary_kernel(float* dst, const int32_t* p, int64_t n, int64_t chunk, float scale) {
+  const int64_t i = thread_index();
+  if (i >= n) return;
+  const int64_t c = i / chunk, j = i % chunk;
+  const int32_t* w = p + c * ternary_chunk_words(chunk);
+  const uint32_t x = static_cast<uint32_t>(w[1 + j / 16]);
+  const uint32_t b = static_cast<uint32_t>(j % 16);
+  if (x & (1u << b)) {
+    const float v = bits_to_float(w[0]) * scale;
+    if (x & (1u << (b + 16))) dst[i] -= v;
+    else dst[i] += v;
+  }
+}
+
 }  // namespace
 
 void decode_cuda(float* dst, int64_t n, const int32_t* msgs, int64_t num_msgs, int64_t row_words, float scale,
@@ -96,7 +150,7 @@ void decode_cuda(float* dst, int64_t n, const int32_t* msgs, int64_t num_msgs, i
     fail(0, check_header(none, row_words, n, scale));
   }
   cuda::DeviceGuard guard(msgs, "messages");
-  if (n > 0) cuda::device_of(dst, "dst");
+  if (n > 0 && dst != nullptr) cuda::device_of(dst, "dst");
   const cudaStream_t s = cuda::as_stream(stream);
 
   // 1. Headers, checked on the host in message order.
@@ -130,7 +184,13 @@ void decode_cuda(float* dst, int64_t n, const int32_t* msgs, int64_t num_msgs, i
     cuda::check(cudaMemsetAsync(first_bad, 0xff, size_t(checked) * sizeof(unsigned long long), s), "cudaMemsetAsync");
     cuda::check(cudaMemsetAsync(entries, 0, size_t(checked) * sizeof(unsigned long long), s), "cudaMemsetAsync");
     for (int64_t m = 0; m < checked; ++m) {
-      if (head(m)[1] == kSparse) {
+      if (is_chunked(head(m)[1])) {
+        const int64_t nch = (n + head(m)[3] - 1) / head(m)[3];
+        if (nch == 0) continue;
+        check_chunked_kernel<<<cuda::blocks_for(nch, kThreads), kThreads, 0, s>>>(
+            payload(m), n, head(m)[3], head(m)[4], head(m)[1], scale, first_bad + m, entries + m);
+        cuda::check_launch("check_chunked_kernel");
+      } else if (head(m)[1] == kSparse) {
         const int64_t count = head(m)[3];
         if (count == 0) continue;
         check_sparse_kernel<<<cuda::blocks_for(count, kThreads), kThreads, 0, s>>>(payload(m), count, n, first_bad + m);
@@ -153,7 +213,13 @@ void decode_cuda(float* dst, int64_t n, const int32_t* msgs, int64_t num_msgs, i
     cuda::check(cudaStreamSynchronize(s), "cudaStreamSynchronize(validation)");
     for (int64_t m = 0; m < checked; ++m) {
       const int64_t count = head(m)[3];
-      if (head(m)[1] == kSparse) {
+      if (is_chunked(head(m)[1])) {
+        if (h_bad[m] != cuda::kNone)
+          fail(m, "chunk " + std::to_string(h_bad[m] / 8) + " " + chunk_complaint(static_cast<int>(h_bad[m] % 8)));
+        if (head(m)[1] == kTernary && static_cast<int64_t>(h_entries[m]) != head(m)[4])
+          fail(m, "ternary codes hold " + std::to_string(h_entries[m]) + " entries but the header says " +
+                      std::to_string(head(m)[4]));
+      } else if (head(m)[1] == kSparse) {
         if (h_bad[m] != cuda::kNone) {
           const int64_t j = static_cast<int64_t>(h_bad[m]);
           int32_t e = 0;
@@ -174,9 +240,32 @@ void decode_cuda(float* dst, int64_t n, const int32_t* msgs, int64_t num_msgs, i
     }
   }
   if (bad_header >= 0) fail(bad_header, header_error);
+  if (dst == nullptr) return;  // validation only
 
   // 3. Apply in message order (kernels on one stream run in order).
   for (int64_t m = 0; m < num_msgs; ++m) {
+    if (head(m)[1] == kTopK) {
+      const int64_t entries = topk_entries(n, head(m)[3], head(m)[4]);
+      if (entries == 0) continue;
+      apply_topk_kernel<<<cuda::blocks_for(entries, kThreads), kThreads, 0, s>>>(dst, payload(m), n, head(m)[3],
+                                                                                head(m)[4], entries, scale);
+      cuda::check_launch("apply_topk_kernel");
+      continue;
+    }
+    if (head(m)[1] == kTopK8) {
+      const int64_t slots = ((n + head(m)[3] - 1) / head(m)[3]) * head(m)[4];
+      if (slots == 0) continue;
+      apply_topk8_kernel<<<cuda::blocks_for(slots, kThreads), kThreads, 0, s>>>(dst, payload(m), n, head(m)[3],
+                                                                                head(m)[4], scale);
+      cuda::check_launch("apply_topk8_kernel");
+      continue;
+    }
+    if (head(m)[1] == kTernary) {
+      if (n == 0) continue;
+      apply_ternary_kernel<<<cuda::blocks_for(n, kThreads), kThreads, 0, s>>>(dst, payload(m), n, head(m)[3], scale);
+      cuda::check_launch("apply_ternary_kernel");
+      continue;
+    }
     const float v = entry_value(bits_to_float(head(m)[4]), scale);
     if (head(m)[1] == kSparse) {
       const int64_t count = head(m)[3];

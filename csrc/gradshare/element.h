@@ -1,6 +1,7 @@
 // Per-element logic shared by the CPU kernels (csrc/cpu) and the CUDA kernels (csrc/cuda).
 // Everything that decides a value lives here, so both paths compute bit-identical results.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include "gradshare/message.h"
 
@@ -62,5 +63,58 @@ GS_HD bool reaches(float u, float tau) { return u >= tau || u <= -tau; }
 
 // The value one message entry adds: tau * scale, rounded once to float32.
 GS_HD float entry_value(float tau, float scale) { return tau * scale; }
+
+// ---- top-k and ternary (csrc/cpu/chunked.cpp, csrc/cuda/chunked.cu)
+
+// bfloat16 bits of a finite float, rounded to nearest even; a value past the largest bfloat16 is clamped to it
+// (so a finite input never becomes inf).
+GS_HD uint32_t bf16_bits(float u) {
+  const uint32_t b = static_cast<uint32_t>(float_to_bits(u));
+  uint32_t r = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+  if ((r & 0x7f80u) == 0x7f80u) r = (b >> 16 & 0x8000u) | 0x7f7fu;
+  return r;
+}
+
+// The order top-k selects by: larger |u| first, then the lower local index. Unique within a chunk, so the
+// selected set does not depend on how it is found (heap, sort or radix select).
+GS_HD uint64_t topk_key(float u, int64_t local) {
+  const uint64_t mag = static_cast<uint32_t>(float_to_bits(u)) & 0x7fffffffu;
+  return (mag << 16) | static_cast<uint64_t>(0xffff - local);
+}
+
+// A top-k message word: the value's bfloat16 bits and the local index.
+GS_HD int32_t topk_word(uint32_t bf16, int64_t local) {
+  return static_cast<int32_t>((bf16 << 16) | static_cast<uint32_t>(local));
+}
+
+// 8-bit top-k: the chunk's scale is its largest selected |u| / 127; q = u / scale rounded to the nearest
+// integer (ties to even), clamped to [-127, 127]; an entry adds q * scale, one float32 rounding.
+GS_HD float topk8_scale(float max_abs) { return max_abs / 127.0f; }
+GS_HD int topk8_quantize(float u, float scale) {
+  if (!(scale > 0.0f)) return 0;
+  const float x = u / scale;
+#if defined(__CUDA_ARCH__)
+  int q = __float2int_rn(x);
+#else
+  int q = static_cast<int>(std::nearbyint(x));
+#endif
+  return q > 127 ? 127 : (q < -127 ? -127 : q);
+}
+GS_HD float topk8_entry(int q, float scale) { return static_cast<float>(q) * scale; }
+
+// Ternary: an element is sent when |u| >= th and u != 0 (th = fraction * mean |u| of its chunk).
+GS_HD bool ternary_sent(float u, float th) {
+  const float a = u < 0.0f ? -u : u;
+  return a >= th && a > 0.0f;
+}
+
+// Ternary chunk sums run in one order everywhere: 32 lanes, lane j adding elements j, j+32, ... in turn,
+// then a pairwise tree over the lanes (16, 8, 4, 2, 1 apart). The CUDA kernel does the tree with warp shuffles.
+constexpr int kLanes = 32;
+inline float lane_tree(float* acc) {
+  for (int step = kLanes / 2; step >= 1; step /= 2)
+    for (int j = 0; j < step; ++j) acc[j] += acc[j + step];
+  return acc[0];
+}
 
 }  // namespace gs

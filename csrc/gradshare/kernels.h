@@ -26,6 +26,12 @@ struct EncodeResult {
   int32_t format;
 };
 
+struct ChunkedResult {
+  int64_t length;           // words written to out (the fixed length of the format)
+  int64_t entries;          // entries sent (top-k: k_c summed; ternary: present bits)
+  int64_t nonfinite_index;  // >= 0: out holds a non-finite marker and the residual is unchanged
+};
+
 // Words an encode may need: enough for either format when the choice is kChooseAuto or kChooseBitmap.
 inline int64_t encode_capacity(int64_t n) { return kHeaderWords + bitmap_words(n); }
 
@@ -36,8 +42,15 @@ CountResult count_cpu(const void* update, int32_t dtype, const float* residual, 
 EncodeResult encode_cpu(const void* update, int32_t dtype, float* residual, int64_t n, float tau, float clip,
                         int32_t choice, int32_t* out, int64_t capacity);
 // Validates every message first (nothing is written if any is bad), then adds them in order:
-// dst[i] += sign * (tau * scale). Messages are rows of `row_words` words.
+// dst[i] += sign * (tau * scale). Messages are rows of `row_words` words. dst == nullptr: validate only.
 void decode_cpu(float* dst, int64_t n, const int32_t* msgs, int64_t num_msgs, int64_t row_words, float scale);
+// Top-k (format 3) and ternary (format 4) encodes of residual + update, residual updated in place (see
+// csrc/cpu/chunked.cpp). `capacity` must hold topk_words / ternary_words.
+// `format`: kTopK (bfloat16 values) or kTopK8 (8-bit values and a scale per chunk).
+ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, float* residual, int64_t n, int64_t chunk,
+                              int64_t k, int32_t format, int32_t* out, int64_t capacity);
+ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, float* residual, int64_t n, int64_t chunk,
+                                 float fraction, int32_t* out, int64_t capacity);
 // dst = sum_j weights[j] * srcs[j] (weights == nullptr: the mean). dst may be one of srcs.
 void average_cpu(float* dst, const float* const* srcs, int64_t k, const float* weights, int64_t n);
 
@@ -53,6 +66,10 @@ EncodeResult encode_cuda(const void* update, int32_t dtype, float* residual, int
                          int32_t choice, int32_t* out, int64_t capacity, void* stream);
 void decode_cuda(float* dst, int64_t n, const int32_t* msgs, int64_t num_msgs, int64_t row_words, float scale,
                  void* stream);
+ChunkedResult encode_topk_cuda(const void* update, int32_t dtype, float* residual, int64_t n, int64_t chunk,
+                               int64_t k, int32_t format, int32_t* out, int64_t capacity, void* stream);
+ChunkedResult encode_ternary_cuda(const void* update, int32_t dtype, float* residual, int64_t n, int64_t chunk,
+                                  float fraction, int32_t* out, int64_t capacity, void* stream);
 // srcs and weights are host arrays of device pointers / host floats.
 void average_cuda(float* dst, const float* const* srcs, int64_t k, const float* weights, int64_t n, void* stream);
 int cuda_device_count();
@@ -70,6 +87,32 @@ inline void check_encode_args(int32_t dtype, int64_t n, float tau, float clip, i
   if (choice != kChooseAuto && choice != kChooseSparse && choice != kChooseBitmap)
     throw std::invalid_argument("format must be auto, sparse or bitmap");
   if (capacity < kHeaderWords) throw std::invalid_argument("out: capacity is smaller than the message header");
+}
+
+// Arguments of the top-k / ternary encoders (CPU and CUDA); returns the message length in words.
+inline int64_t check_chunked_args(int32_t format, int32_t dtype, int64_t n, int64_t chunk, int64_t k, float fraction,
+                                  int64_t capacity) {
+  const bool topk = format == kTopK || format == kTopK8;
+  if (!topk && format != kTernary) throw std::invalid_argument("format must be top-k, 8-bit top-k or ternary");
+  if (dtype != kFloat32 && dtype != kFloat16 && dtype != kBFloat16)
+    throw std::invalid_argument("update: dtype must be float32, float16 or bfloat16");
+  if (n < 0 || n > kMaxElements)
+    throw std::invalid_argument("update: " + std::to_string(n) +
+                                " elements; a message can encode at most 2^31-1 (split the buffer)");
+  if (topk) {
+    if (chunk < 1 || chunk > kMaxTopKChunk) throw std::invalid_argument("chunk: must be in [1, 65536] for top-k");
+    if (k < 0 || k > chunk) throw std::invalid_argument("k must be in [0, chunk]");
+  } else {
+    if (chunk < 16 || chunk % 16 != 0 || chunk > kMaxTernaryChunk)
+      throw std::invalid_argument("chunk: must be a multiple of 16 (and at most 2^30) for ternary");
+    if (!(fraction >= 0.0f) || !is_finite(fraction)) throw std::invalid_argument("fraction must be finite and >= 0");
+  }
+  const int64_t words = format == kTopK ? topk_words(n, chunk, k)
+                                         : (format == kTopK8 ? topk8_words(n, chunk, k) : ternary_words(n, chunk));
+  if (capacity < words)
+    throw std::invalid_argument("out: message needs " + std::to_string(words) + " words, capacity is " +
+                                std::to_string(capacity));
+  return words;
 }
 
 // The format an encode writes (kChooseAuto: the smaller payload) once the count is known; throws when

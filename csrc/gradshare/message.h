@@ -12,6 +12,20 @@
 //             bit b = present, bit b+16 = negative (a sign bit without its present bit is invalid;
 //             bits past n must be zero).
 //
+// Two formats carry magnitudes. Both split the buffer into chunks of `chunk` elements (the last one may
+// be shorter: len_c elements) and have a length fixed by (n, chunk, k), the same for every rank:
+//   top-k (3)   word 3 = chunk (1..65536), word 4 = k (entries per full chunk, 0..chunk);
+//               per chunk k_c = ceil(k * len_c / chunk) words, local indices strictly ascending, each word
+//               (bf16 bits of the value << 16) | local index; values finite.
+//   ternary (4) word 3 = chunk (a multiple of 16), word 4 = entries (present bits in all chunks);
+//               per chunk one word (float32 bits of its scale, finite, >= 0), then ceil(len_c/16) code
+//               words laid out like the bitmap; a present element decodes as +-scale.
+//   top-k8 (5) word 3 = chunk (1..65536), word 4 = k; per chunk one word (float32 bits of its scale s,
+//               finite, >= 0), ceil(k_c/2) words of 16-bit local indices (ascending, the first in the
+//               low half), ceil(k_c/4) words of int8 values q in [-127, 127] (the first in the low
+//               byte); an entry adds q * s. Unused halves and bytes are zero.
+// A rank whose update is not finite sends a marker of the same length (header, then zeros).
+//
 // A message may sit in a longer row (padded all-gather): the header says how many words are used.
 #pragma once
 #include <cstdint>
@@ -29,7 +43,9 @@ constexpr int32_t kMagicVersion = 0x47530001;
 constexpr int64_t kHeaderWords = 5;
 constexpr int64_t kMaxElements = 2147483647;  // indices are signed 1-based int32
 
-enum Format : int32_t { kSparse = 0, kBitmap = 1, kNonFinite = 2 };
+enum Format : int32_t { kSparse = 0, kBitmap = 1, kNonFinite = 2, kTopK = 3, kTernary = 4, kTopK8 = 5 };
+constexpr int64_t kMaxTopKChunk = 65536;  // local indices are 16 bits
+constexpr int64_t kMaxTernaryChunk = int64_t(1) << 30;
 // What the caller asks the encoder for; kAuto picks the smaller payload.
 enum FormatChoice : int32_t { kChooseAuto = -1, kChooseSparse = 0, kChooseBitmap = 1 };
 
@@ -48,6 +64,33 @@ GS_HD bool prefer_sparse(int64_t count, int64_t n) { return count <= bitmap_word
 
 GS_HD int64_t payload_words(int32_t format, int64_t n, int64_t count) {
   return format == kSparse ? count : (format == kBitmap ? bitmap_words(n) : 0);
+}
+
+// ---- chunked formats: sizes (shared by encoders, decoders and the Python side, gradshare/message.py)
+GS_HD int64_t chunk_len(int64_t n, int64_t chunk, int64_t c) {
+  const int64_t lo = c * chunk;
+  return n - lo < chunk ? n - lo : chunk;
+}
+GS_HD int64_t topk_k(int64_t k, int64_t len, int64_t chunk) { return (k * len + chunk - 1) / chunk; }
+GS_HD int64_t topk_entries(int64_t n, int64_t chunk, int64_t k) {
+  const int64_t full = n / chunk, rest = n % chunk;
+  return full * k + (rest ? topk_k(k, rest, chunk) : 0);
+}
+GS_HD int64_t topk_words(int64_t n, int64_t chunk, int64_t k) { return kHeaderWords + topk_entries(n, chunk, k); }
+GS_HD int64_t ternary_chunk_words(int64_t len) { return 1 + (len + 15) / 16; }
+GS_HD int64_t topk8_chunk_words(int64_t kc) { return 1 + (kc + 1) / 2 + (kc + 3) / 4; }
+GS_HD int64_t topk8_words(int64_t n, int64_t chunk, int64_t k) {
+  const int64_t full = n / chunk, rest = n % chunk;
+  return kHeaderWords + full * topk8_chunk_words(k) + (rest ? topk8_chunk_words(topk_k(k, rest, chunk)) : 0);
+}
+GS_HD bool is_chunked(int32_t format) { return format == kTopK || format == kTernary || format == kTopK8; }
+// Words of full chunk c's part of a chunked payload start at c * this (every earlier chunk is full).
+GS_HD int64_t chunk_stride(int32_t format, int64_t chunk, int64_t k) {
+  return format == kTopK ? k : (format == kTopK8 ? topk8_chunk_words(k) : ternary_chunk_words(chunk));
+}
+GS_HD int64_t ternary_words(int64_t n, int64_t chunk) {
+  const int64_t full = n / chunk, rest = n % chunk;
+  return kHeaderWords + full * ternary_chunk_words(chunk) + (rest ? ternary_chunk_words(rest) : 0);
 }
 
 GS_HD float bits_to_float(int32_t b) {
@@ -82,12 +125,31 @@ GS_HD void write_header(int32_t* out, int32_t format, int64_t n, int64_t count, 
 
 namespace gs {
 
+// Header checks of the chunked formats (top-k, ternary): nullptr when sound, else what is wrong.
+inline const char* check_chunked_header(const int32_t* h, int64_t row_words, int64_t n) {
+  if (h[2] < 0 || (int64_t)h[2] != n) return "message length n does not match the destination buffer";
+  const int64_t chunk = h[3], k = h[4];
+  int64_t words;
+  if (h[1] == kTopK || h[1] == kTopK8) {
+    if (chunk < 1 || chunk > kMaxTopKChunk || k < 0 || k > chunk)
+      return "top-k message: chunk must be in [1, 65536] and k in [0, chunk]";
+    words = h[1] == kTopK ? topk_words(n, chunk, k) : topk8_words(n, chunk, k);
+  } else {
+    if (chunk < 16 || chunk > kMaxTernaryChunk || chunk % 16 != 0 || k < 0 || k > n)
+      return "ternary message: chunk must be a multiple of 16 and the entry count in [0, n]";
+    words = ternary_words(n, chunk);
+  }
+  if (words > row_words) return "message payload runs past the end of its row";
+  return nullptr;
+}
+
 // Header checks shared by every decoder. Returns nullptr when the header is sound for a destination
 // of n elements in a row of row_words words, decoded with `scale`, else what is wrong.
 inline const char* check_header(const int32_t* h, int64_t row_words, int64_t n, float scale) {
   if (row_words < kHeaderWords) return "message is shorter than its 5-word header";
   if (h[0] != kMagicVersion) return "bad magic/version word (not a gradshare v1 message)";
   if (h[1] == kNonFinite) return "message is a non-finite marker: its sender saw NaN/Inf and sent no update";
+  if (is_chunked(h[1])) return check_chunked_header(h, row_words, n);
   if (h[1] != kSparse && h[1] != kBitmap) return "unknown message format";
   if (h[2] < 0 || (int64_t)h[2] != n) return "message length n does not match the destination buffer";
   if (h[3] < 0 || (int64_t)h[3] > n) return "message count is negative or larger than n";
@@ -105,6 +167,77 @@ GS_HD bool sparse_entry_ok(int32_t idx, int64_t prev_abs, int64_t n) {
   if (idx == 0 || idx == INT32_MIN) return false;
   const int64_t a = idx < 0 ? -(int64_t)idx : (int64_t)idx;
   return a <= n && a > prev_abs;
+}
+
+// A top-k entry: local index below the chunk's length and above the previous entry's; a finite value.
+GS_HD bool topk_entry_ok(uint32_t w, int64_t prev_local, int64_t len) {
+  const int64_t local = w & 0xffffu;
+  const uint32_t exp = (w >> 23) & 0xffu;  // bf16 exponent bits (value bits 30..23 of the float)
+  return local < len && local > prev_local && exp != 0xffu;
+}
+
+// One chunk of a top-k or ternary payload (`w` its first word): 0 when sound, else why (the decoders'
+// complaints: 1 an entry's index or value, 2 a value times scale overflows, 3 the scale, 4 a code word).
+// Ternary chunks add their entries to *entries.
+GS_HD bool bitmap_word_ok(uint32_t w, int64_t word_index, int64_t n);
+GS_HD int popcount16(uint32_t x);
+GS_HD float bits_to_float(int32_t b);
+// The local index and int8 value of entry i of an 8-bit top-k chunk with kc entries.
+GS_HD int64_t topk8_index(const int32_t* w, int64_t i) {
+  return (static_cast<uint32_t>(w[1 + i / 2]) >> (16 * (i % 2))) & 0xffffu;
+}
+GS_HD int topk8_value(const int32_t* w, int64_t kc, int64_t i) {
+  return static_cast<int8_t>((static_cast<uint32_t>(w[1 + (kc + 1) / 2 + i / 4]) >> (8 * (i % 4))) & 0xffu);
+}
+
+GS_HD int check_chunk(const int32_t* w, int32_t format, int64_t k, int64_t len, int64_t chunk, float scale,
+                      int64_t* entries) {
+  constexpr float kMax = 3.4028234663852886e38f;
+  if (format == kTopK8) {
+    const int64_t kc = topk_k(k, len, chunk);
+    const float sc = bits_to_float(w[0]), big = sc * 127.0f * scale;
+    if (!(sc >= 0.0f && sc <= kMax) || !(big <= kMax && big >= -kMax)) return 3;
+    int64_t prev = -1;
+    for (int64_t i = 0; i < kc; ++i) {
+      const int64_t local = topk8_index(w, i);
+      if (local >= len || local <= prev || topk8_value(w, kc, i) == -128) return 1;
+      prev = local;
+    }
+    // unused halves and bytes must be zero
+    if ((kc % 2) && (static_cast<uint32_t>(w[1 + kc / 2]) >> 16) != 0) return 1;
+    if ((kc % 4) && (static_cast<uint32_t>(w[1 + (kc + 1) / 2 + kc / 4]) >> (8 * (kc % 4))) != 0) return 1;
+    return 0;
+  }
+  if (format == kTopK) {
+    int64_t prev = -1;
+    for (int64_t i = 0; i < topk_k(k, len, chunk); ++i) {
+      const uint32_t e = static_cast<uint32_t>(w[i]);
+      if (!topk_entry_ok(e, prev, len)) return 1;
+      const float v = bits_to_float(static_cast<int32_t>(e & 0xffff0000u)) * scale;
+      if (!(v <= kMax && v >= -kMax)) return 2;
+      prev = e & 0xffffu;
+    }
+    return 0;
+  }
+  const float sc = bits_to_float(w[0]), v = sc * scale;
+  if (!(sc >= 0.0f && sc <= kMax) || !(v <= kMax && v >= -kMax)) return 3;
+  for (int64_t q = 0; q < (len + 15) / 16; ++q) {
+    const uint32_t x = static_cast<uint32_t>(w[1 + q]);
+    if (!bitmap_word_ok(x, q, len)) return 4;
+    *entries += popcount16(x);
+  }
+  return 0;
+}
+
+// What check_chunk's codes mean, in the decoders' error messages.
+inline const char* chunk_complaint(int why) {
+  switch (why) {
+    case 1: return "has an entry whose index is outside its chunk or not strictly ascending, or whose value is not "
+                   "finite or out of range (or padding that is not zero)";
+    case 2: return "has an entry whose value times scale overflows float32";
+    case 3: return "has a scale that is not finite and >= 0 (or overflows times scale)";
+    default: return "has a code word with a sign bit without its present bit or a bit past its end";
+  }
 }
 
 // A bitmap word is valid when no sign bit stands without its present bit and no bit lies past n.

@@ -51,9 +51,21 @@ def encode(update, residual, tau, clip, choice, out) -> tuple:
                      choice, out.data_ptr(), out.numel(), update.is_cuda, _stream(update))
 
 
+def encode_chunked(format: int, update, residual, chunk: int, param: float, out) -> tuple:
+    """Top-k / 8-bit top-k (param = k) or ternary (param = fraction) encode in message format ``format``;
+    returns (length, entries, nonfinite_index)."""
+    return _C.encode_chunked(format, update.data_ptr(), DTYPE_CODES[update.dtype], residual.data_ptr(), update.numel(),
+                             chunk, float(param), out.data_ptr(), out.numel(), update.is_cuda, _stream(update))
+
+
 def decode(dst: torch.Tensor, rows: torch.Tensor, scale: float) -> None:
     _C.decode(dst.data_ptr(), dst.numel(), rows.data_ptr(), rows.shape[0], rows.shape[1], scale, dst.is_cuda,
               _stream(dst))
+
+
+def validate(rows: torch.Tensor, n: int, scale: float) -> None:
+    """Checks the messages for a destination of n elements, writing nothing (decode without a destination)."""
+    _C.decode(0, n, rows.data_ptr(), rows.shape[0], rows.shape[1], scale, rows.is_cuda, _stream(rows))
 
 
 def average(out: torch.Tensor, buffers, weights) -> None:

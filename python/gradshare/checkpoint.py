@@ -10,23 +10,36 @@ A checkpoint is one file ``<dir>/ckpt-<step>.pt`` holding:
   a rank's data position) plus each rank's RNG states (torch, CUDA when present, numpy, python ``random``),
   which are captured automatically under the key ``"rng"``.
 
-Writing is atomic: rank 0 writes a temporary file in the same directory, fsyncs it, ``os.replace``s it over
-the final name and fsyncs the directory, so a kill at any point leaves either the old set of checkpoints or
-the old set plus the complete new one; never a partial file under a checkpoint name. ``latest(dir)`` returns
-the newest checkpoint that loads, skipping temporary leftovers and unreadable files.
+Writing is atomic: rank 0 writes a temporary file in the same directory (created with its final mode),
+fsyncs it, ``os.replace``s it over the final name and fsyncs the directory, so a kill at any point leaves
+either the old set of checkpoints or the old set plus the complete new one; never a partial file under a
+checkpoint name. ``latest(dir)`` returns the newest checkpoint whose checksum verifies, skipping temporary
+leftovers and unreadable files, without unpickling anything. Pruning keeps the ``keep_last`` newest
+checkpoints up to the one just written and never deletes a newer one, whatever failed to read when the run
+resumed (a newer file that could not be read for a moment is still there for the next restart).
+
+Checkpoints are data, not programs. A file is one header line (JSON: format, version, step, world size,
+payload length and a SHA-256 over those and the payload) and the payload, a ``torch.save`` of plain data: tensors, numbers, strings,
+bytes, lists, tuples and dicts (numpy arrays and scalars are stored as tensors and numbers; anything else is
+refused when saving, naming the key). Loading reads the header, checks the checksum and only then reads the
+payload, with ``torch.load(weights_only=True)``: a corrupt, truncated or foreign file is rejected with a
+one-line reason, and a file holding pickled code is never executed.
 
 Under an initialised process group :func:`save` is collective (every rank calls it with the same step): the
 per-rank dicts are gathered to rank 0, rank 0 writes, and the outcome is broadcast, so every rank returns
 only once the file is durable and every rank raises if the write failed.
-
-Checkpoints are pickles (``torch.load(weights_only=False)``): load only files your own runs wrote.
 """
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import os
 import random
 import re
-import tempfile
+import secrets
+import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
 
@@ -35,15 +48,20 @@ import torch
 import torch.distributed as dist
 
 FORMAT = "gradshare-checkpoint"
-VERSION = 1
+VERSION = 2
+MAX_HEADER = 4096                 # bytes of the JSON header line, at most
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
 _TMP_PREFIX = ".tmp-ckpt-"
 
 
 # ----------------------------------------------------------------------------------------------- RNG state
 def rng_state() -> Dict[str, Any]:
-    """This process's random number generator states: torch (CPU and every CUDA device), numpy, python."""
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """This process's random number generator states: torch (CPU and every CUDA device), numpy, python; as
+    tensors, numbers, strings and tuples (plain data that a weights-only load reads back)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos),
+                                                       int(has_gauss), float(gauss)),
+             "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -52,7 +70,9 @@ def rng_state() -> Dict[str, Any]:
 def set_rng_state(state: Mapping[str, Any]) -> None:
     """Restores states captured by :func:`rng_state`; the next random draws repeat the captured ones."""
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys.numpy() if torch.is_tensor(keys) else keys, dtype=np.uint32),
+                         int(pos), int(has_gauss), float(gauss)))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -84,19 +104,54 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def write_atomic(obj: Any, path: str) -> None:
-    """``torch.save(obj)`` to ``path`` so that the file appears complete or not at all.
+def plain(value: Any, where: str = "checkpoint") -> Any:
+    """``value`` as plain data a weights-only load reads back: tensors, numbers, strings, bytes, lists, tuples,
+    dicts (numpy arrays become tensors, numpy scalars numbers); raises TypeError naming what is not."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes, torch.Tensor, torch.dtype, torch.Size,
+                                           torch.device)):
+        return value
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value).copy())
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        items = [plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    if isinstance(value, dict):
+        out = OrderedDict() if isinstance(value, OrderedDict) else {}
+        for k, v in value.items():
+            if not isinstance(k, (str, int, float, bool)) and k is not None:
+                raise TypeError(f"{where}: key {k!r} has type {type(k).__name__}; checkpoint keys are strings or numbers")
+            out[k] = plain(v, f"{where}[{k!r}]")
+        return out
+    raise TypeError(f"{where} has type {type(value).__name__}: a checkpoint holds tensors, numbers, strings, lists "
+                    f"and dicts (save its state_dict(), or convert it)")
 
-    Writes a temporary file in the same directory (same file system, so the rename is atomic), flushes and
-    fsyncs it, ``os.replace``s it over ``path`` and fsyncs the directory so the rename itself is durable.
+
+def write_atomic(payload: Dict[str, Any], path: str, *, step: int = 0, world_size: int = 1) -> None:
+    """Writes ``payload`` (plain data: see :func:`plain`) as a checkpoint file at ``path``, complete or not at all.
+
+    The file is a JSON header line (format, version, step, world size, payload bytes, and a SHA-256 over
+    those fields and the payload), then
+    the ``torch.save`` bytes of the payload. It is written to a temporary file in the same directory (same
+    file system, so the rename is atomic) created with its final mode, flushed and fsynced, ``os.replace``d
+    over ``path``, and the directory is fsynced so the rename itself is durable.
     """
+    buf = io.BytesIO()
+    torch.save(plain(payload), buf)
+    data = buf.getvalue()
+    fields = {"format": FORMAT, "version": VERSION, "step": int(step), "world_size": int(world_size),
+              "bytes": len(data)}
+    head = json.dumps(dict(fields, sha256=_digest(fields, data))).encode() + b"\n"
+    assert len(head) <= MAX_HEADER
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".pt", dir=directory)
+    tmp = os.path.join(directory, f"{_TMP_PREFIX}{secrets.token_hex(8)}.pt")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)   # the umask applies, as for any new file
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600 files; a checkpoint gets the usual permissions
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            f.write(head)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -109,10 +164,55 @@ def write_atomic(obj: Any, path: str) -> None:
     _fsync_dir(directory)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def _digest(fields: Dict[str, Any], data: bytes) -> str:
+    """SHA-256 over the header's fields (canonical JSON) and the payload: a flipped bit anywhere is caught."""
+    h = hashlib.sha256(json.dumps(fields, sort_keys=True).encode())
+    h.update(b"\n")
+    h.update(data)
+    return h.hexdigest()
+
+
+class CheckpointError(ValueError):
+    """A file is not a complete, intact gradshare checkpoint (the message says why, in one line)."""
+
+
+def read_header(path: str) -> Dict[str, Any]:
+    """The header of a checkpoint file, after checking it and the payload against the checksum (nothing is
+    unpickled)."""
+    try:
+        with open(path, "rb") as f:
+            line = f.readline(MAX_HEADER + 1)
+            try:
+                head = json.loads(line) if line.endswith(b"\n") else None
+            except ValueError:
+                head = None
+            if not isinstance(head, dict) or head.get("format") != FORMAT:
+                raise CheckpointError(f"{path}: not a gradshare checkpoint")
+            if head.get("version") != VERSION:
+                raise CheckpointError(f"{path}: checkpoint version {head.get('version')!r}, this gradshare reads "
+                                      f"{VERSION}")
+            for key, kind in (("step", int), ("world_size", int), ("bytes", int), ("sha256", str)):
+                if not isinstance(head.get(key), kind) or isinstance(head.get(key), bool):
+                    raise CheckpointError(f"{path}: checkpoint header has no valid {key!r}")
+            if head["step"] < 0 or head["world_size"] < 1 or head["bytes"] < 0:
+                raise CheckpointError(f"{path}: checkpoint header holds an impossible step, world size or length")
+            digest = hashlib.sha256(json.dumps({k: v for k, v in head.items() if k != "sha256"},
+                                               sort_keys=True).encode() + b"\n")
+            left = head["bytes"]
+            while left > 0:
+                block = f.read(min(left, 1 << 20))
+                if not block:
+                    raise CheckpointError(f"{path}: truncated checkpoint ({head['bytes'] - left} of {head['bytes']} "
+                                          "payload bytes)")
+                digest.update(block)
+                left -= len(block)
+            if f.read(1):
+                raise CheckpointError(f"{path}: checkpoint has bytes after its payload")
+    except OSError as exc:
+        raise CheckpointError(f"{path}: not a readable checkpoint ({type(exc).__name__}: {exc})") from exc
+    if digest.hexdigest() != head["sha256"]:
+        raise CheckpointError(f"{path}: checkpoint does not match its checksum (corrupt file)")
+    return head
 
 
 def _remove_stale_temporaries(directory: str) -> None:
@@ -131,10 +231,10 @@ def _prune(directory: str, step: int, keep_last: int) -> None:
     steps = [int(_NAME.match(os.path.basename(p)).group(1)) for p in paths]
     # Checkpoints from beyond `step` belong to a run that was abandoned (this run resumed from an older one):
     # left in place, latest() would prefer them over the run that is being written now.
-    doomed = [p for p, s in zip(paths, steps) if s > step]
+    # Never a checkpoint newer than the one just written: this run may have resumed from an older one only
+    # because the newer could not be read at that moment, and a later restart may read it again.
     kept = [p for p, s in zip(paths, steps) if s <= step]
-    if keep_last > 0:
-        doomed += kept[:-keep_last]
+    doomed = kept[:-keep_last] if keep_last > 0 else []
     for p in doomed:
         try:
             os.unlink(p)
@@ -187,8 +287,7 @@ def save(directory: str, step: int, state: Optional[Mapping[str, Any]] = None,
         try:
             os.makedirs(directory, exist_ok=True)
             _remove_stale_temporaries(directory)
-            write_atomic({"format": FORMAT, "version": VERSION, "step": int(step), "world_size": world,
-                          "state": _snapshot(state), "ranks": gathered}, path)
+            write_atomic({"state": _snapshot(state), "ranks": gathered}, path, step=step, world_size=world)
             _prune(directory, step, keep_last)
         except Exception as exc:  # every rank must learn about it, not wait at the next collective
             error = f"{type(exc).__name__}: {exc}"
@@ -237,35 +336,46 @@ class Checkpoint:
 
 
 def load(path: str, map_location: Any = "cpu") -> Checkpoint:
-    """Reads a checkpoint file; raises ValueError when it is not a complete gradshare checkpoint."""
+    """Reads a checkpoint file; raises CheckpointError (a ValueError) with a one-line reason when it is not a
+    complete, intact gradshare checkpoint. The payload is unpickled only after its checksum verifies, and then
+    with ``torch.load(weights_only=True)``: no code in a file runs."""
+    head = read_header(path)
     try:
-        raw = torch.load(path, map_location=map_location, weights_only=False)
+        with open(path, "rb") as f:
+            f.readline(MAX_HEADER + 1)
+            data = f.read(head["bytes"])
+        with warnings.catch_warnings():   # torch warns about the pickle protocol of files it then refuses
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    except CheckpointError:
+        raise
     except Exception as exc:
-        raise ValueError(f"{path}: not a readable checkpoint ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a gradshare checkpoint")
-    if raw.get("version") != VERSION:
-        raise ValueError(f"{path}: checkpoint version {raw.get('version')}, this gradshare reads {VERSION}")
-    return Checkpoint(path=path, step=raw["step"], world_size=raw["world_size"], state=raw["state"],
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise CheckpointError(f"{path}: checkpoint payload is not plain data ({type(exc).__name__}: {reason})") \
+            from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("state"), dict) or not isinstance(raw.get("ranks"), list):
+        raise CheckpointError(f"{path}: checkpoint payload lacks its state or per-rank state")
+    return Checkpoint(path=path, step=head["step"], world_size=head["world_size"], state=raw["state"],
                       ranks=raw["ranks"])
 
 
 def latest(directory: str) -> Optional[str]:
-    """Path of the newest checkpoint in ``directory`` that loads, or None (missing dir, none, all broken)."""
+    """Path of the newest checkpoint in ``directory`` whose checksum verifies, or None (missing directory, none,
+    all broken). Reads headers and payload bytes only: nothing is unpickled."""
     for path in reversed(list_checkpoints(directory)):
         try:
-            load(path)
-        except ValueError:
+            read_header(path)
+        except CheckpointError:
             continue
         return path
     return None
 
 
 def load_latest(directory: str, map_location: Any = "cpu") -> Optional[Checkpoint]:
-    """The newest loadable checkpoint in ``directory``, loaded; None when there is none."""
+    """The newest checkpoint in ``directory`` that loads, loaded; None when there is none."""
     for path in reversed(list_checkpoints(directory)):
         try:
             return load(path, map_location)
-        except ValueError:
+        except CheckpointError:
             continue
     return None

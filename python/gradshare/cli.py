@@ -21,8 +21,10 @@ def _info(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="gradshare", description="Communication-efficient data-parallel training")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from gradshare.argtypes import OneLineParser
+
+    parser = OneLineParser(prog="gradshare", description="Communication-efficient data-parallel training")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     sub.add_parser("info", help="what the native library was built with").set_defaults(func=_info)
     for name, (module, help_text) in _SUBCOMMANDS.items():
         try:
@@ -35,7 +37,10 @@ def main(argv=None) -> int:
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(func=mod.run)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:   # a refused option (status 2, one line already printed) or --help (0)
+        return int(exc.code or 0)
     return int(args.func(args) or 0)
 
 

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from gradshare import checkpoint as ckpt
+from gradshare import process_group
 
 log = logging.getLogger(__name__)
 
@@ -128,12 +129,8 @@ def _init_process_group(backend: Optional[str], collective_timeout: float) -> bo
     if backend == "nccl":
         torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
     timeout = timedelta(seconds=collective_timeout)
-    store = _restart_safe_store(timeout)
-    if store is None:
-        dist.init_process_group(backend, timeout=timeout)
-    else:
-        dist.init_process_group(backend, store=store, rank=_env_int("RANK", 0), world_size=_env_int("WORLD_SIZE", 1),
-                                timeout=timeout)
+    process_group.init_process_group(backend, store=_restart_safe_store(timeout), rank=_env_int("RANK", 0),
+                                     world_size=_env_int("WORLD_SIZE", 1), timeout=timeout)
     return True
 
 
@@ -157,7 +154,7 @@ def _restart_safe_store(timeout: timedelta):
     agent = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
     key = "gradshare/process_group_store"
     if rank == 0:
-        own = dist.TCPStore(addr, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        own = process_group.serving_store(addr, 0, world, timeout)
         agent.set(key, json.dumps([addr, own.port]))
         return own
     deadline = time.monotonic() + timeout.total_seconds()
@@ -229,8 +226,9 @@ def run(train_fn: Callable[[Any, Context], Any], config: Any = None, *, checkpoi
             result = box[0]
         return result
     finally:
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
+        if created:
+            # Joins the backend's threads before the interpreter shuts down (gradshare.process_group).
+            process_group.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------- `python -m gradshare.cluster`

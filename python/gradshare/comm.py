@@ -1,51 +1,52 @@
-"""The exchange: every rank threshold-encodes its buffer, all ranks receive every message, all decode.
+"""The exchange: every rank encodes its buffer, all ranks receive every message, all decode.
 
-One exchange of a flat buffer of n elements over W ranks:
+One exchange of a flat buffer of n elements over W ranks, with an encoder (a gradshare.compression policy):
 
-1. encode: ``ops.encode(update, residual, tau, on_nonfinite="flag")`` (the residual keeps what was not
-   sent; a non-finite buffer yields a marker message and leaves the residual as it was);
-2. lengths: one small all-gather of 4 int64 per rank (message words, format, n, count). It carries the
-   non-finite flag too, so every rank learns at the same point that a step is bad and no rank hangs;
-3. payload: ONE all-gather of the messages as int32 rows zero-padded to the longest (gloo aborts on
-   unequal sizes), on the device of the buffer (gloo for CPU tensors, NCCL for CUDA ones, same code);
-4. decode: ``ops.decode(out, rows, scale)`` adds every rank's message in rank order, so every rank gets
-   bitwise the same result. ``average=True`` (default) uses scale = 1/W: out is the MEAN of what the
-   ranks sent (what DDP and gradient averaging expect); ``average=False`` gives the sum (DL4J's rule).
+1. encode: the policy writes this rank's message and keeps what it did not send in the residual (error
+   feedback). A non-finite buffer yields a non-finite marker and leaves the residual as it was;
+2. for policies whose messages vary in length (Strom's +-tau): one small all-gather of 4 int64 per rank
+   (message words, format, n, count), which also carries the non-finite flag. Top-k and ternary messages
+   have a length every rank can compute, so they skip this round;
+3. payload: ONE all-gather of the messages as int32 rows (zero-padded to the longest when lengths vary;
+   gloo aborts on unequal sizes), on the device of the buffer (gloo for CPU tensors, NCCL for CUDA ones);
+4. decode: every rank checks the gathered headers (a non-finite marker from any rank stops the step on
+   every rank at once), then adds every rank's message in rank order, so every rank gets bitwise the same
+   result. ``average=True`` (default) scales by 1/W: out is the MEAN of what the ranks sent (what DDP and
+   gradient averaging expect); ``average=False`` gives the sum (DL4J's rule).
 
-Cost: the lengths step is one extra collective round trip per exchange (32 bytes per rank, latency
-bound: tens of microseconds on a LAN, the price of variable-length messages over fixed-size
-collectives). Per rank, a ring all-gather of W rows of L words sends (W-1)*4*L bytes; a dense fp32 ring
-allreduce of n elements sends 2*(W-1)/W*4*n bytes.
+Cost: per rank, a ring all-gather of W rows of L words sends (W-1)*4*L bytes (+ (W-1)*32 for the lengths
+round when there is one); a dense fp32 ring allreduce of n elements sends 2*(W-1)/W*4*n bytes.
 
-Dense fallback (``fallback="auto"``): the padded gather is used only while W*L <= 2*n, i.e. the longest
-message is at most 2n/W words (density about 2/W for sparse messages; a bitmap row, n/16 words, only
-loses from W = 32 on; tiny buffers lose to their 5-word headers). Otherwise the step is an fp32
-allreduce of residual + update: each rank adds its own sent message back into its residual (which then
-holds everything not yet applied), allreduces that, and zeroes the residual. All ranks decide from the
-same gathered lengths, so all take the same path. ``fallback="never"`` / ``"always"`` force a path.
+Dense fallback (``fallback="auto"``): the gather is used only while W*L <= 2*n, i.e. while it moves no
+more than a dense ring allreduce. Otherwise the step is an fp32 allreduce of residual + update (which
+then holds everything not yet applied), and the residual is zeroed. For fixed-length messages this is
+known before encoding; for Strom's, all ranks decide from the same gathered lengths. Either way all ranks
+take the same path. ``fallback="never"`` / ``"always"`` force a path.
 
 Non-finite buffers (``nonfinite``): "raise" makes every rank raise NonFiniteStepError naming the step
-and the offending rank(s) right after the lengths exchange; "skip" returns a result with
-``skipped=True`` on every rank, ``out`` zeroed, and the residual restored from ``backup`` (pass a
-float32 buffer like the residual: it receives a copy of the residual before encoding; without it only
-the offending rank's residual is untouched).
+and the offending rank(s); "skip" returns a result with ``skipped=True`` on every rank, ``out`` zeroed,
+and the residual restored from ``backup`` (pass a float32 buffer like the residual: it receives a copy of
+the residual before encoding; without it only the offending rank's residual is untouched).
 
 ``exchange`` blocks; ``exchange_async`` returns a torch.futures.Future chained on asynchronous
-collectives (for DDP comm hooks). Pipelined async exchanges on one group go through a Channel, which
-launches each payload gather in the order the exchanges were started, on a private copy of the group,
-so every rank issues collectives in the same order whatever order the lengths arrive in.
+collectives (for DDP comm hooks). Pipelined async exchanges of varying length on one group go through a
+Channel, which launches each payload gather in the order the exchanges were started, on a private copy
+of the group, so every rank issues collectives in the same order whatever order the lengths arrive in.
+Fixed-length exchanges launch their one gather at once, in call order, and need no channel.
 """
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from gradshare import message as msgfmt
 from gradshare import ops
-from gradshare.message import BITMAP, FORMAT_NAMES, HEADER_WORDS, NONFINITE, SPARSE
+from gradshare.message import BITMAP, CHUNKED, FORMAT_NAMES, HEADER_WORDS, NONFINITE, SPARSE, TERNARY, TOPK, TOPK8
 from gradshare.ops import NonFiniteError
 
 META_WORDS = 4          # per rank in the lengths gather: words, format, n, count (or first bad index)
@@ -58,7 +59,8 @@ class NonFiniteStepError(NonFiniteError):
 
     def __init__(self, step: Optional[int], ranks: List[int], indices: List[int], name: str = "buffer"):
         where = f"step {step}" if step is not None else "exchange"
-        detail = ", ".join(f"rank {r} (element {i})" for r, i in zip(ranks, indices))
+        detail = ", ".join(f"rank {r}" + (f" (element {i})" if i >= 0 else "") for r, i in zip(ranks, indices)) \
+            or "a rank"
         FloatingPointError.__init__(
             self, f"{where}, {name}: non-finite gradient/update (NaN or Inf) on {detail}; every rank stops "
                   "here (use nonfinite='skip' to drop such steps instead)")
@@ -70,10 +72,11 @@ class NonFiniteStepError(NonFiniteError):
 class ExchangeResult:
     """What one exchange did. ``out`` holds the decoded mean (or sum) unless ``skipped``."""
     out: torch.Tensor
-    format: str                 # "sparse", "bitmap" (largest message), "dense" (fallback) or "skipped"
+    format: str                 # "sparse", "bitmap" (largest message), "topk", "ternary", "dense" (fallback)
+                                # or "skipped"
     world: int
     n: int
-    tau: float                  # this rank's tau
+    tau: Optional[float]        # this rank's tau (+-tau schemes only)
     words: List[int]            # message words per rank
     counts: List[int]           # entries sent per rank
     formats: List[int]          # message format per rank (message.SPARSE / BITMAP / NONFINITE)
@@ -97,8 +100,21 @@ class ExchangeResult:
 
     @property
     def message_format(self) -> int:
-        """BITMAP if any rank sent a bitmap, else SPARSE (what thresholds observe)."""
+        """BITMAP if any rank sent a bitmap, else SPARSE (what +-tau thresholds observe)."""
         return BITMAP if BITMAP in self.formats else SPARSE
+
+
+class _TauEncoder:
+    """The +-tau encoder behind ``exchange(update, residual, tau)`` (gradshare.compression.Strom's rule)."""
+
+    def __init__(self, tau: float, clip: Optional[float], format: str):
+        self.tau, self.clip, self.format = float(tau), clip, format
+
+    def words(self, n: int, step) -> None:
+        return None
+
+    def encode(self, update, residual, step):
+        return ops.encode(update, residual, self.tau, clip=self.clip, format=self.format, on_nonfinite="flag")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -131,8 +147,7 @@ def _gather_fn():
 class _Exchange:
     """One exchange in flight: the stages share this object."""
 
-    def __init__(self, update, residual, tau, out, group, average, clip, format, fallback, backup, nonfinite,
-                 step, name):
+    def __init__(self, update, residual, encoder, step, out, group, average, fallback, backup, nonfinite, name):
         if fallback not in FALLBACKS:
             raise ValueError(f"fallback: expected one of {FALLBACKS}, got {fallback!r}")
         if nonfinite not in POLICIES:
@@ -146,26 +161,39 @@ class _Exchange:
             raise ValueError(f"out: {self.out.numel()} elements but update has {self.update.numel()}")
         if backup is not None and (backup.numel() != self.residual.numel() or backup.dtype != torch.float32):
             raise ValueError("backup: must be a float32 buffer the size of the residual")
-        self.group, self.average, self.clip, self.format = group, average, clip, format
-        self.fallback, self.backup, self.nonfinite, self.step, self.name = fallback, backup, nonfinite, step, name
+        self.encoder, self.step, self.group, self.average = encoder, step, group, average
+        self.fallback, self.backup, self.nonfinite, self.name = fallback, backup, nonfinite, name
         self.world = dist.get_world_size(group)
-        self.tau = float(tau)
         self.n = self.update.numel()
         self.device = self.update.device
+        self.tau = getattr(encoder, "tau", None)
+        self.fixed = encoder.words(self.n, step)          # None: message lengths vary (lengths round)
+        self.dense = False
+        if self.fixed is not None:                       # known before encoding, the same on every rank
+            self.dense = self.world > 1 and (fallback == "always" or
+                                             (fallback == "auto" and prefers_dense(self.fixed, self.n, self.world)))
 
-    # stage 1: encode locally, prepare the lengths row
-    def encode(self) -> torch.Tensor:
+    # stage 1: encode locally; returns the lengths row (varying lengths) or None (fixed: no lengths round)
+    def encode(self) -> Optional[torch.Tensor]:
         if self.backup is not None:
             self.backup.copy_(self.residual)
-        self.msg = ops.encode(self.update, self.residual, self.tau, clip=self.clip, format=self.format,
-                              on_nonfinite="flag")
+        if self.dense:                                    # fixed-length policy past the crossover
+            self.residual.add_(self.update)
+            self.msg = None
+            return None
+        self.msg = self.encoder.encode(self.update, self.residual, self.step)
+        if self.fixed is not None:
+            if self.msg.numel() != self.fixed:
+                raise RuntimeError(f"{self.name}: encoder wrote {self.msg.numel()} words, expected {self.fixed}")
+            self.max_words = self.fixed
+            return None
         meta = torch.empty(META_WORDS, dtype=torch.int64, device=self.msg.device)
         meta[0] = self.msg.numel()
         meta[1:4].copy_(self.msg[1:4])
         self.meta_all = torch.empty(self.world * META_WORDS, dtype=torch.int64, device=self.msg.device)
         return meta
 
-    # stage 2: read everyone's lengths, decide the path (or stop on a non-finite step)
+    # stage 2 (varying lengths only): read everyone's lengths, decide the path (or stop on a non-finite step)
     def plan(self) -> Optional[ExchangeResult]:
         table = self.meta_all.view(self.world, META_WORDS).tolist()
         self.words = [r[0] for r in table]
@@ -177,12 +205,7 @@ class _Exchange:
                              "pass the same buffer layout")
         bad = [r for r, f in enumerate(self.formats) if f == NONFINITE]
         if bad:
-            if self.backup is not None:
-                self.residual.copy_(self.backup)
-            if self.nonfinite == "raise":
-                raise NonFiniteStepError(self.step, bad, [self.counts[r] for r in bad], self.name)
-            self.out.zero_()
-            return self._result("skipped", 0, bad)
+            return self._nonfinite(bad, [self.counts[r] for r in bad])
         self.max_words = max(self.words)
         if self.fallback == "always":
             self.dense = True
@@ -192,10 +215,19 @@ class _Exchange:
             self.dense = prefers_dense(self.max_words, self.n, self.world)
         return None
 
+    def _nonfinite(self, bad: List[int], indices: List[int]) -> ExchangeResult:
+        if self.backup is not None:
+            self.residual.copy_(self.backup)
+        if self.nonfinite == "raise":
+            raise NonFiniteStepError(self.step, bad, indices, self.name)
+        self.out.zero_()
+        return self._result("skipped", 0, bad)
+
     # stage 3: launch the payload collective
     def launch(self, group, async_op: bool):
         if self.dense:
-            ops.decode(self.residual, self.msg)          # residual := everything not yet applied
+            if self.msg is not None:
+                ops.decode(self.residual, self.msg)      # residual := everything not yet applied
             return dist.all_reduce(self.residual, group=group, async_op=async_op)
         L = self.max_words
         if self.msg.numel() == L:
@@ -210,29 +242,55 @@ class _Exchange:
     def finish(self) -> ExchangeResult:
         scale = 1.0 / self.world if self.average else 1.0
         if self.dense:
+            if self.fixed is not None:
+                self.words, self.formats = [0] * self.world, [-1] * self.world
+                self.counts = [self.n] * self.world
+                if not bool(torch.isfinite(self.residual).all()):   # the same sum on every rank
+                    return self._nonfinite([], [])
             if scale != 1.0:
                 self.residual.mul_(scale)
             self.out.copy_(self.residual)
             self.residual.zero_()
-            return self._result("dense", dense_allreduce_bytes(self.n, self.world) + gather_bytes(0, self.world))
+            lengths = gather_bytes(0, self.world) if self.fixed is None else 0
+            return self._result("dense", dense_allreduce_bytes(self.n, self.world) + lengths)
+        rows = self.rows.view(self.world, self.max_words)
+        if self.fixed is not None:
+            heads = rows[:, :HEADER_WORDS].tolist()
+            self.words = [self.fixed] * self.world
+            self.formats = [h[1] for h in heads]
+            self.counts = [_entries(h, self.n) for h in heads]
+            bad = [r for r, f in enumerate(self.formats) if f == NONFINITE]
+            if bad:
+                return self._nonfinite(bad, [heads[r][3] for r in bad])
         if self.out.dtype == torch.float32 and self.out.is_contiguous():
             dst = self.out.view(-1)
             dst.zero_()
         else:
             dst = torch.zeros(self.n, dtype=torch.float32, device=self.device)
-        ops.decode(dst, self.rows.view(self.world, self.max_words), scale=scale)
+        ops.decode(dst, rows, scale=scale)
         if dst is not self.out and dst.data_ptr() != self.out.data_ptr():
             self.out.copy_(dst.view_as(self.out))
+        if self.fixed is not None:
+            return self._result(FORMAT_NAMES[self.formats[0]], (self.world - 1) * 4 * self.fixed)
         fmt = FORMAT_NAMES[BITMAP if BITMAP in self.formats else SPARSE]
         return self._result(fmt, gather_bytes(self.max_words, self.world))
 
     def _result(self, fmt: str, sent: int, bad=None) -> ExchangeResult:
         if fmt == "skipped":
-            sent = gather_bytes(0, self.world)
+            sent = gather_bytes(0, self.world) if self.fixed is None else (self.world - 1) * 4 * (self.fixed or 0)
         return ExchangeResult(out=self.out, format=fmt, world=self.world, n=self.n, tau=self.tau,
                               words=self.words, counts=self.counts, formats=self.formats, bytes_sent=sent,
                               dense_bytes=dense_allreduce_bytes(self.n, self.world),
-                              nonfinite_ranks=list(bad or []), message=None if bad else self.msg)
+                              nonfinite_ranks=list(bad or []), message=None if bad is not None else self.msg)
+
+
+def _entries(head: List[int], n: int) -> int:
+    """Entries a fixed-length message carries, from its header."""
+    if head[1] in (TOPK, TOPK8):
+        return msgfmt.topk_entries(n, head[3], head[4])
+    if head[1] == TERNARY:
+        return head[4]
+    return 0
 
 
 def zero_sent(target: torch.Tensor, result: ExchangeResult) -> None:
@@ -250,6 +308,11 @@ def zero_sent(target: torch.Tensor, result: ExchangeResult) -> None:
         return
     msg = result.message
     fmt, count = int(msg[1]), int(msg[3])
+    if fmt in CHUNKED:
+        sent = torch.zeros(t.numel(), dtype=torch.float32, device=t.device)
+        ops.decode(sent, msg)
+        t.masked_fill_(sent != 0, 0.0)
+        return
     if count == 0:
         return
     if fmt == SPARSE:
@@ -261,30 +324,43 @@ def zero_sent(target: torch.Tensor, result: ExchangeResult) -> None:
         t.masked_fill_(sent != 0, 0.0)
 
 
-def exchange(update: torch.Tensor, residual: torch.Tensor, tau: float, *, out: Optional[torch.Tensor] = None,
-             group=None, average: bool = True, clip: Optional[float] = None, format: str = "auto",
-             fallback: str = "auto", backup: Optional[torch.Tensor] = None, nonfinite: str = "raise",
-             step: Optional[int] = None, name: str = "buffer") -> ExchangeResult:
+def _make(update, residual, tau, encoder, clip, format, step, out, group, average, fallback, backup, nonfinite,
+          name) -> _Exchange:
+    if (tau is None) == (encoder is None):
+        raise TypeError("exchange: pass either tau (+-tau threshold encoding) or encoder= (a compression policy)")
+    if encoder is None:
+        encoder = _TauEncoder(tau, clip, format)
+    return _Exchange(update, residual, encoder, step if step is not None else 0, out, group, average, fallback,
+                     backup, nonfinite, name)
+
+
+def exchange(update: torch.Tensor, residual: torch.Tensor, tau: Optional[float] = None, *,
+             encoder=None, out: Optional[torch.Tensor] = None, group=None, average: bool = True,
+             clip: Optional[float] = None, format: str = "auto", fallback: str = "auto",
+             backup: Optional[torch.Tensor] = None, nonfinite: str = "raise", step: Optional[int] = None,
+             name: str = "buffer") -> ExchangeResult:
     """Blocking exchange of one flat buffer; returns an ExchangeResult (``result.out`` holds the mean).
 
     Args:
         update: flat float32/fp16/bf16 buffer to share (a gradient or an optimizer update).
         residual: this rank's float32 residual for that buffer (error feedback), updated in place.
-        tau: this rank's threshold. clip: residual clipping factor for this step (ResidualClipping).
+        tau: this rank's threshold for +-tau encoding (clip: residual clipping factor; format: message
+            format). Or ``encoder``: a gradshare.compression policy (TopK, Ternary, Strom), given ``step``.
         out: where the decoded result goes (default: ``update``, in place). average: mean (scale 1/W)
-            or sum. format: message format for encode. fallback: "auto" / "never" / "always" dense path.
+            or sum. fallback: "auto" / "never" / "always" dense path.
         backup, nonfinite, step, name: non-finite handling and error text (see the module docstring).
 
     Every rank of ``group`` must call it with a buffer of the same size, in the same order as its
     other collectives on ``group``.
     """
-    ex = _Exchange(update, residual, tau, out, group, average, clip, format, fallback, backup, nonfinite,
-                   step, name)
+    ex = _make(update, residual, tau, encoder, clip, format, step, out, group, average, fallback, backup,
+               nonfinite, name)
     meta = ex.encode()
-    _gather_fn()(ex.meta_all, meta, group=group)
-    skipped = ex.plan()
-    if skipped is not None:
-        return skipped
+    if meta is not None:
+        _gather_fn()(ex.meta_all, meta, group=group)
+        skipped = ex.plan()
+        if skipped is not None:
+            return skipped
     ex.launch(group, async_op=False)
     return ex.finish()
 
@@ -296,21 +372,38 @@ class Channel:
     their payload collectives are launched in ticket order on a private group with the same ranks, so
     lengths that complete in a different order on different ranks cannot reorder the collectives.
     Create one per process group and pipeline (ThresholdState keeps its own); not picklable.
+
+    The channel references its groups weakly: ``dist.destroy_process_group()`` must be able to free them
+    (a group kept alive past it keeps its backend threads running into interpreter shutdown, see
+    gradshare.process_group). After a destroy and a new ``init_process_group`` the private group is
+    created again.
     """
 
     def __init__(self, group=None):
-        self.group = group
+        self._group = None if group is None else weakref.ref(group)
         self._payload_group = None
         self._lock = threading.RLock()
         self._issued = 0
         self._next = 0
         self._ready: Dict[int, Callable[[], None]] = {}
 
+    @property
+    def group(self):
+        """The group exchanged over (None: the default group)."""
+        if self._group is None:
+            return None
+        g = self._group()
+        if g is None:
+            raise RuntimeError("Channel: its process group was destroyed")
+        return g
+
     def payload_group(self):
-        if self._payload_group is None:
+        g = self._payload_group() if self._payload_group is not None else None
+        if g is None:
             ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
-            self._payload_group = dist.new_group(ranks, use_local_synchronization=True)
-        return self._payload_group
+            g = dist.new_group(ranks, use_local_synchronization=True)
+            self._payload_group = weakref.ref(g)   # torch's registry owns it until destroy_process_group()
+        return g
 
     def ticket(self) -> int:
         with self._lock:
@@ -332,37 +425,39 @@ class Channel:
         raise TypeError("Channel holds process groups and cannot be pickled")
 
 
-_default_channels: Dict[int, Channel] = {}
+# One channel per group for exchange_async calls without a channel; keyed weakly so that a destroyed
+# group is not kept alive by its channel.
+_default_channel: Optional[Channel] = None
+_group_channels: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def default_channel(group=None) -> Channel:
-    key = id(group) if group is not None else 0
-    ch = _default_channels.get(key)
-    if ch is None or ch.group is not group:
-        ch = _default_channels[key] = Channel(group)
+    global _default_channel
+    if group is None:
+        if _default_channel is None:
+            _default_channel = Channel(None)
+        return _default_channel
+    ch = _group_channels.get(group)
+    if ch is None:
+        ch = _group_channels[group] = Channel(group)
     return ch
 
 
-def exchange_async(update: torch.Tensor, residual: torch.Tensor, tau: float, *,
-                   out: Optional[torch.Tensor] = None, group=None, average: bool = True,
+def exchange_async(update: torch.Tensor, residual: torch.Tensor, tau: Optional[float] = None, *,
+                   encoder=None, out: Optional[torch.Tensor] = None, group=None, average: bool = True,
                    clip: Optional[float] = None, format: str = "auto", fallback: str = "auto",
                    backup: Optional[torch.Tensor] = None, nonfinite: str = "raise", step: Optional[int] = None,
                    name: str = "buffer", channel: Optional[Channel] = None) -> torch.futures.Future:
     """Non-blocking exchange: encodes now, returns a Future[ExchangeResult] chained on async collectives.
 
-    Same arguments as ``exchange``; ``channel`` (default: one per group) orders pipelined exchanges.
-    The lengths gather goes on ``group`` (launched here, on the caller's thread); the payload gather on the
-    channel's private group (launched when the lengths arrive). Errors (NonFiniteStepError, a failed
+    Same arguments as ``exchange``. Fixed-length messages (TopK, Ternary) are gathered at once, on
+    ``group``, in call order. Varying-length ones first gather the lengths on ``group`` (launched here, on
+    the caller's thread) and then the payload on ``channel``'s private group (default: one channel per
+    group), launched in call order when the lengths arrive. Errors (NonFiniteStepError, a failed
     collective) are set on the returned future: ``wait()`` raises them on every rank.
     """
-    ch = channel if channel is not None else default_channel(group)
-    if channel is not None and group is None:
-        group = ch.group
-    ex = _Exchange(update, residual, tau, out, group, average, clip, format, fallback, backup, nonfinite,
-                   step, name)
-    payload_group = ch.payload_group()
-    meta = ex.encode()
-    ticket = ch.ticket()
+    ex = _make(update, residual, tau, encoder, clip, format, step, out, group, average, fallback, backup,
+               nonfinite, name)
     result: torch.futures.Future = torch.futures.Future()
 
     def fail(e: BaseException) -> None:
@@ -375,6 +470,18 @@ def exchange_async(update: torch.Tensor, residual: torch.Tensor, tau: float, *,
             result.set_result(ex.finish())
         except BaseException as e:  # noqa: BLE001  (must complete the future whatever happens)
             fail(e)
+
+    if ex.fixed is not None:
+        ex.encode()
+        ex.launch(group, async_op=True).get_future().then(on_payload)
+        return result
+
+    ch = channel if channel is not None else default_channel(group)
+    if channel is not None and group is None:
+        group = ex.group = ch.group
+    payload_group = ch.payload_group()
+    meta = ex.encode()
+    ticket = ch.ticket()
 
     def go() -> None:
         try:

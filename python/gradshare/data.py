@@ -59,7 +59,10 @@ def read_idx(path: str) -> np.ndarray:
     return np.frombuffer(body, dtype=dtype).reshape(dims)
 
 
-def _find(folder: str, stem: str) -> str:
+MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+
+
+def find_idx(folder: str, stem: str) -> str:
     # Standard names, gzipped or not; some mirrors write "train-images.idx3-ubyte".
     alt = stem.replace("-idx", ".idx")
     for name in (stem, stem + ".gz", alt, alt + ".gz"):
@@ -78,8 +81,8 @@ def load_mnist(path: str) -> Tuple[TensorDataset, TensorDataset]:
         raise FileNotFoundError(f"{path}: not a folder (expected one holding the MNIST idx files)")
     out = []
     for split in ("train", "t10k"):
-        images = read_idx(_find(path, f"{split}-images-idx3-ubyte"))
-        labels = read_idx(_find(path, f"{split}-labels-idx1-ubyte"))
+        images = read_idx(find_idx(path, f"{split}-images-idx3-ubyte"))
+        labels = read_idx(find_idx(path, f"{split}-labels-idx1-ubyte"))
         if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
             raise ValueError(f"{path}: {split} images {images.shape} and labels {labels.shape} do not match")
         x = torch.from_numpy(images.astype(np.float32) / 255.0).unsqueeze(1)

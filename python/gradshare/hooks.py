@@ -1,146 +1,170 @@
 """Gradient sharing as a DDP communication hook: one line added to an existing DDP script.
 
-    from gradshare.hooks import ThresholdState, threshold_hook
+    from gradshare import ThresholdState, threshold_hook
     ddp = DistributedDataParallel(model)
-    state = ThresholdState(process_group=None, threshold=Adaptive())
-    ddp.register_comm_hook(state, threshold_hook)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    ddp.register_comm_hook(ThresholdState(optimizer=opt), threshold_hook)
 
-Each DDP bucket's gradient is threshold-encoded with that bucket's own residual (error feedback) and
-threshold, exchanged (gradshare.comm: lengths, then one padded all-gather, dense allreduce fallback when
-cheaper) and decoded; the hook returns the MEAN of what all ranks sent, like DDP's allreduce. The hook
-does not block: it encodes, launches the lengths gather and returns a future chained on the collectives,
-so exchanges overlap the rest of backward.
+With ``optimizer=`` (recommended) the hook shares what the optimizer does (gradshare.sharing, "updates"):
+during backward it hands each bucket's local gradient to DDP unchanged (and agrees with the other ranks
+on whether any gradient was non-finite); ``opt.step()`` then runs the user's optimizer locally, and
+gradshare, from the optimizer's step hooks, shares the change it made with error feedback and gives every
+rank the same decoded mean. The optimizer, its scheduler, gradient clipping and a GradScaler are used as
+in plain DDP; the compression is chosen for the optimizer (gradshare.compression.for_optimizer). With one
+rank the hook returns DDP's own result and nothing is encoded.
 
-Residuals are kept per parameter position, not per bucket index: when DDP rebuilds its buckets after the
-first iteration, each new bucket gathers its residual from the parameters' previous buckets (and its
-threshold from the bucket that held its first parameter). Checkpoints name parameters by the order in
-which the hook first met them, which is the same in every process built from the same model and DDP
-settings (DDP's initial buckets are deterministic), so ``state_dict`` / ``load_state_dict`` restore
-training exactly. The state pickles without its process group (like torch's PowerSGDState).
+Without ``optimizer=`` the hook shares gradients (gradshare.sharing, "gradients"): each DDP bucket's
+gradient is encoded with that bucket's residual and exchanged, and the hook returns the MEAN of what all
+ranks sent, like DDP's allreduce. It launches the exchange and returns a future, so exchanges overlap
+the rest of backward. Adam-like optimizers train worse this way: pass ``optimizer=``.
 
-Non-finite gradients: ``nonfinite="raise"`` (default) fails backward on every rank with
-NonFiniteStepError naming the step and rank(s). ``nonfinite="skip"`` restores every bucket's residual and
-threshold for that step on every rank, returns zero gradients for the offending bucket, and sets
-``state.step_skipped``: guard the optimizer with ``if state.should_step(): opt.step()`` (a hook cannot
-stop DDP from handing gradients to the optimizer, and momentum or weight decay move parameters even on
-zero gradients). "skip" keeps a copy of each residual (one more float32 per parameter). After a "raise",
-residuals are not restored: reload a checkpoint to continue.
+Residuals of the gradients mode are kept per parameter position, not per bucket index: when DDP rebuilds
+its buckets after the first iteration, each new bucket gathers its residual from the parameters' previous
+buckets (and its policy state from the bucket that held its first parameter). Checkpoints name
+parameters by the order in which the hook first met them, which is the same in every process built from
+the same model and DDP settings (DDP's initial buckets are deterministic), so ``state_dict`` /
+``load_state_dict`` restore training exactly; thresholds of +-tau policies continue bit for bit when
+DDP's initial layout holds the same groups of parameters as the layout at the checkpoint (e.g. a model
+in one bucket), and closely otherwise. In updates mode buckets are the optimizer's and always restore
+exactly. The state pickles without its process group and optimizer (like torch's PowerSGDState).
 
-Momentum correction (Deep Gradient Compression, Lin et al. 2018), ``momentum=m``: applying momentum
-AFTER sparsification (an inner SGD with momentum on the decoded gradient) lets stale, delayed residual
-entries keep pushing through the velocity and loses accuracy at high compression. With ``momentum=m``
-each bucket keeps a local velocity u = m*u + g (g: this rank's gradient) and encodes u with the residual
-as error feedback (the residual accumulates velocities, not gradients); after the exchange u is zeroed
-at the elements this rank sent (momentum factor masking). The hook then returns the mean of the sent
-velocities, so the optimizer must NOT add momentum again: use ``torch.optim.SGD(params, lr)`` (momentum
-0; weight decay is fine) where the script used ``SGD(params, lr, momentum=m)``. The hook cannot see the
-optimizer, so this is not checked. Velocities are kept per parameter like residuals (they follow DDP's
-bucket rebuild, are in ``state_dict`` and restore exactly) and are rolled back with residuals on a
-skipped step. Thresholds then see velocities, about 1/(1-m) times the gradient scale: start ``Adaptive``
-near that, let it adapt quickly, and prefer ``clipping=None`` (ResidualClipping's c*tau bound throws
-away accumulated velocity). The MNIST CNN benchmark (bench/e2e.py, m=0.9) uses
-``Adaptive(initial=0.01, decay=0.8)``, no clipping, no warm-up.
-
-Exact resume: residuals (and velocities) always restore exactly. Thresholds are per bucket; a fresh DDP
-runs its first iteration on its initial bucket layout, so training continues bit for bit when that
-layout holds the same groups of parameters as the layout at the checkpoint (true when DDP's rebuild
-keeps the composition, e.g. a model in one bucket); otherwise each initial bucket starts from the
-threshold saved for its first parameter and the run continues closely, not bitwise.
+Non-finite gradients: ``nonfinite="raise"`` (default) fails on every rank with NonFiniteStepError naming
+the step and rank(s): in backward (gradients mode) or in ``opt.step()`` (updates mode: a GradScaler, which
+skips ``step()`` on such a step, then works as with DDP, every rank skipping together since every rank
+sees the non-finite value). ``nonfinite="skip"`` drops the step on every rank: residuals, thresholds and
+(updates mode) parameters and optimizer state are left as they were, ``state.step_skipped`` is set; in
+gradients mode guard the optimizer with ``if state.should_step(): opt.step()``.
 """
 
-import copy
 import threading
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from gradshare.comm import Channel, exchange_async, zero_sent
-from gradshare.stats import Statistics, StepRecord, residual_norm
-from gradshare.thresholds import Adaptive, ResidualClipping, Threshold, as_threshold
+from gradshare.comm import NonFiniteStepError
+from gradshare.sharing import Bucket, Sharing, SharingFront
+from gradshare.stats import Statistics
+from gradshare.thresholds import ResidualClipping
 
-_NONFINITE = ("raise", "skip")
-
-
-class _Bucket:
-    """Residual, velocity, backups and threshold for one composition of parameters (one DDP bucket)."""
-
-    def __init__(self, params, sids, offsets, residual, threshold, velocity=None):
-        self.params = list(params)          # strong refs keep the ids used as keys valid
-        self.sids = sids
-        self.offsets = offsets
-        self.residual = residual
-        self.velocity: Optional[torch.Tensor] = velocity      # momentum correction only
-        self.threshold = threshold
-        self.backup: Optional[torch.Tensor] = None
-        self.velocity_backup: Optional[torch.Tensor] = None
+_DEFAULT = object()
 
 
-class ThresholdState:
-    """State of ``threshold_hook``: one residual and threshold per DDP bucket, statistics, step counter.
+class ThresholdState(SharingFront):
+    """State of ``threshold_hook``: the sharing core, DDP's bucket mapping, and the step's futures.
 
     Args:
         process_group: the group DDP reduces over (None: the default group).
-        threshold: template threshold, cloned for every bucket (Adaptive() by default). For gradients
-            (not lr-scaled updates) an ``initial`` near typical gradient magnitudes adapts fastest.
-        clipping: ResidualClipping or None.
+        compression: what is sent (gradshare.compression; default: chosen for ``optimizer``, TopK(0.01)
+            without one). DL4J's +-tau thresholds (Fixed, Adaptive) work too.
+        clipping: DL4J's residual clipping for +-tau thresholds (default ResidualClipping() with them).
         nonfinite: "raise" or "skip" (see the module docstring).
         average: return the mean (True, what DDP does) or the sum of what the ranks sent.
         fallback: "auto" / "never" / "always" dense allreduce (gradshare.comm).
         stats: a Statistics to record into (default: a new one, ``state.stats``).
-        momentum: None (default, off) or m in [0, 1): DGC momentum correction with factor masking (module
-            docstring); the optimizer must then run without momentum. Typical: the momentum the script's
-            SGD used (0.9), with ``Adaptive(..., warmup_steps=...)`` for the first steps.
+        momentum: None (default) or m in [0, 1): momentum correction in gradshare for gradients mode
+            (the optimizer must then run without momentum). Not used with ``optimizer=``.
+        optimizer: the optimizer that steps the DDP model: share its updates (recommended).
+        bucket_cap_mb: bucket size (fp32 MiB) of the updates mode.
+        threshold: the former name of ``compression`` (deprecated).
     """
 
-    def __init__(self, process_group=None, threshold: Optional[Threshold] = Adaptive(),
-                 clipping: Optional[ResidualClipping] = ResidualClipping(), nonfinite: str = "raise", *,
-                 average: bool = True, fallback: str = "auto", stats: Optional[Statistics] = None,
-                 momentum: Optional[float] = None):
-        if nonfinite not in _NONFINITE:
-            raise ValueError(f"nonfinite: expected 'raise' or 'skip', got {nonfinite!r}")
-        if momentum is not None and not 0.0 <= float(momentum) < 1.0:
-            raise ValueError(f"momentum: expected None or a value in [0, 1), got {momentum}")
-        self.momentum = None if momentum is None else float(momentum)
+    def __init__(self, process_group=None, compression: Any = None, clipping: Any = _DEFAULT,
+                 nonfinite: str = "raise", *, average: bool = True, fallback: str = "auto",
+                 stats: Optional[Statistics] = None, momentum: Optional[float] = None,
+                 optimizer: Optional[torch.optim.Optimizer] = None, bucket_cap_mb: float = 25.0,
+                 threshold: Any = None):
+        if threshold is not None:
+            if compression is not None:
+                raise TypeError("pass compression= or its former name threshold=, not both")
+            warnings.warn("ThresholdState(threshold=...) is now compression=...", DeprecationWarning, stacklevel=2)
+            compression = threshold
+        if optimizer is not None and momentum is not None:
+            raise ValueError("momentum= is for sharing gradients; with optimizer= the optimizer's own momentum "
+                             "is used (leave momentum=None)")
         self.process_group = process_group
-        self.threshold = as_threshold(threshold).clone()
-        self.clipping = copy.deepcopy(clipping)
-        self.nonfinite = nonfinite
-        self.average = average
-        self.fallback = fallback
-        self.stats = stats if stats is not None else Statistics()
-        self.iteration = 0
-        self.step_skipped = False
+        clip = ResidualClipping() if clipping is _DEFAULT else clipping
+        self._config = {"compression": compression, "clipping": clip, "nonfinite": nonfinite,
+                        "average": average, "fallback": fallback, "momentum": momentum,
+                        "bucket_cap_mb": bucket_cap_mb}
+        self.sharing = Sharing(compression, optimizer=optimizer, process_group=process_group,
+                               reduce="mean" if average else "sum", nonfinite=nonfinite, fallback=fallback,
+                               stats=stats, momentum=momentum, clipping=clip)
+        self.optimizer = optimizer
+        self.mode = "updates" if optimizer is not None else "gradients"
         self._init_runtime()
-        self._buckets: Dict[tuple, _Bucket] = {}
+        # gradients mode: DDP's buckets, keyed by their parameters, and where each parameter lives
+        self._buckets: Dict[tuple, Bucket] = {}
         self._home: Dict[int, tuple] = {}          # id(param) -> (bucket key, offset)
         self._sid: Dict[int, int] = {}             # id(param) -> stable position
         self._pending_residuals: Dict[int, torch.Tensor] = {}
         self._pending_velocities: Dict[int, torch.Tensor] = {}
-        self._pending_thresholds: Dict[int, Dict[str, Any]] = {}
+        self._pending_policies: Dict[int, Dict[str, Any]] = {}
+        if optimizer is not None:
+            self.sharing.build((p for g in optimizer.param_groups for p in g["params"]), bucket_cap_mb)
+            self._handles = [optimizer.register_step_pre_hook(self._before_step),
+                             optimizer.register_step_post_hook(self._after_step)]
 
     def _init_runtime(self) -> None:
-        self._channel: Optional[Channel] = None
         self._lock = threading.Lock()
-        self._inflight: List[tuple] = []           # (bucket, future of ExchangeResult, DDP bucket index)
+        self._inflight: List[tuple] = []           # (bucket, future of ExchangeResult)
+        self._bad = None                           # updates mode: this backward's non-finite flag
+        self._nonfinite_ranks: List[int] = []      # updates mode: ranks whose gradients were not finite
+        self._saved_grads: Optional[list] = None
 
-    def channel(self) -> Channel:
-        if self._channel is None:
-            self._channel = Channel(self.process_group)
-        return self._channel
+    # -- what the rest of gradshare reads ------------------------------------------------------------
+    @property
+    def iteration(self) -> int:
+        """Steps shared so far (skipped steps not counted)."""
+        return self.sharing.step
+
+    @property
+    def nonfinite(self) -> str:
+        return self.sharing.nonfinite
 
     def should_step(self) -> bool:
-        """False when the last backward's exchange was dropped (nonfinite="skip")."""
-        return not self.step_skipped
+        """False when the last step's exchange was dropped (nonfinite="skip")."""
+        return not self.sharing.step_skipped
 
-    # -- buckets ---------------------------------------------------------------------------------------
+    # -- updates mode: the optimizer's step hooks ------------------------------------------------------
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        sh = self.sharing
+        sh.step_skipped = False
+        if sh.world_size == 1:
+            return
+        if self._nonfinite_ranks:
+            if sh.nonfinite == "raise":
+                ranks, self._nonfinite_ranks = self._nonfinite_ranks, []
+                raise NonFiniteStepError(sh.step, ranks, [-1] * len(ranks), "gradients")
+            # Skip: the optimizer steps no parameter whose grad is None, so its state is not touched either.
+            self._saved_grads = [(p, p.grad) for b in sh.buckets for p in b.params]
+            for p, _ in self._saved_grads:
+                p.grad = None
+            return
+        sh.begin_updates()
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        sh = self.sharing
+        if sh.world_size == 1:
+            return
+        if self._saved_grads is not None:
+            for p, g in self._saved_grads:
+                p.grad = g
+            self._saved_grads = None
+            self._nonfinite_ranks = []
+            sh.skip_step()
+            return
+        sh.share_updates()
+
+    # -- gradients mode: DDP's buckets ---------------------------------------------------------------
     def _stable_id(self, p) -> int:
         s = self._sid.get(id(p))
         if s is None:
             s = self._sid[id(p)] = len(self._sid)
         return s
 
-    def bucket_for(self, params, buffer: torch.Tensor) -> _Bucket:
+    def bucket_for(self, params, buffer: torch.Tensor) -> Bucket:
         """The state for this composition of parameters; built (from previous buckets) on first sight."""
         key = tuple(id(p) for p in params)
         b = self._buckets.get(key)
@@ -149,148 +173,124 @@ class ThresholdState:
         numels = [p.numel() for p in params]
         if sum(numels) != buffer.numel():
             raise ValueError(f"bucket: parameters hold {sum(numels)} elements but the buffer {buffer.numel()}")
-        offsets, off = [], 0
-        for k in numels:
-            offsets.append(off)
-            off += k
-        residual = torch.zeros(buffer.numel(), dtype=torch.float32, device=buffer.device)
-        velocity = torch.zeros_like(residual) if self.momentum is not None else None
+        b = self.sharing.new_bucket(len(self._buckets), params)
         sids = [self._stable_id(p) for p in params]
-        threshold = None
-        for p, sid, o, k in zip(params, sids, offsets, numels):
+        policy_from = None
+        for p, sid, o, k in zip(params, sids, b.offsets, numels):
             home = self._home.get(id(p))
             if home is not None:
                 old = self._buckets[home[0]]
-                residual[o:o + k].copy_(old.residual[home[1]:home[1] + k])
-                if velocity is not None and old.velocity is not None:
-                    velocity[o:o + k].copy_(old.velocity[home[1]:home[1] + k])
-                if threshold is None:
-                    threshold = old.threshold.clone()
-            elif sid in self._pending_residuals:
+                b.residual[o:o + k].copy_(old.residual[home[1]:home[1] + k])
+                if b.velocity is not None and old.velocity is not None:
+                    b.velocity[o:o + k].copy_(old.velocity[home[1]:home[1] + k])
+                if policy_from is None:
+                    policy_from = old.compression.state_dict()
+                continue
+            if sid in self._pending_residuals:
                 saved = self._pending_residuals.pop(sid)
                 if saved.numel() != k:
                     raise ValueError(f"load_state_dict: parameter #{sid} has {k} elements, checkpoint {saved.numel()}")
-                residual[o:o + k].copy_(saved.view(-1))
-            if home is None and sid in self._pending_velocities:
+                b.residual[o:o + k].copy_(saved.view(-1))
+            if sid in self._pending_velocities:
                 saved = self._pending_velocities.pop(sid)
-                if velocity is not None:
+                if b.velocity is not None:
                     if saved.numel() != k:
                         raise ValueError(f"load_state_dict: parameter #{sid} has {k} elements, velocity in the "
                                          f"checkpoint {saved.numel()}")
-                    velocity[o:o + k].copy_(saved.view(-1))
-            if threshold is None and sid in self._pending_thresholds:
-                threshold = self.threshold.clone()
-                threshold.load_state_dict(self._pending_thresholds[sid])
+                    b.velocity[o:o + k].copy_(saved.view(-1))
+            if policy_from is None and sid in self._pending_policies:
+                policy_from = self._pending_policies[sid]
         for sid in sids:
-            self._pending_thresholds.pop(sid, None)
-        b = _Bucket(params, sids, offsets, residual, threshold or self.threshold.clone(), velocity)
+            self._pending_policies.pop(sid, None)
+        if policy_from is not None:
+            b.compression.load_state_dict(policy_from)
+        b.sids = sids
         self._buckets[key] = b
-        for p, o in zip(params, offsets):
+        for p, o in zip(params, b.offsets):
             self._home[id(p)] = (key, o)
         live = {h[0] for h in self._home.values()}
         for k in [k for k in self._buckets if k not in live]:
             del self._buckets[k]
         return b
 
-    # -- checkpoints -------------------------------------------------------------------------------------
+    def _finish_iteration(self, inflight: List[tuple]) -> None:
+        self.sharing.finish([(b, f.value()) for b, f in inflight])
+
+    # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """Residuals (and velocities) by parameter position, thresholds per bucket, step counter, statistics."""
+        """Updates mode: the sharing core's state. Gradients mode: residuals (and velocities) by parameter
+        position, policy state per bucket, step counter, statistics."""
+        if self.mode == "updates":
+            return {"mode": "updates", "sharing": self.sharing.state_dict()}
         residuals = {sid: t.clone() for sid, t in self._pending_residuals.items()}
         velocities = {sid: t.clone() for sid, t in self._pending_velocities.items()}
         buckets = []
         for b in self._buckets.values():
-            for sid, o, p in zip(b.sids, b.offsets, b.params):
-                residuals[sid] = b.residual[o:o + p.numel()].detach().cpu().clone()
+            for sid, o, k in zip(b.sids, b.offsets, b.numels):
+                residuals[sid] = b.residual[o:o + k].detach().cpu().clone()
                 if b.velocity is not None:
-                    velocities[sid] = b.velocity[o:o + p.numel()].detach().cpu().clone()
-            buckets.append({"sids": list(b.sids), "threshold": b.threshold.state_dict()})
-        pending = {sid: st for sid, st in self._pending_thresholds.items()}
-        return {"iteration": self.iteration, "residuals": residuals, "buckets": buckets,
-                "pending_thresholds": pending, "template": self.threshold.state_dict(),
-                "clipping": None if self.clipping is None else self.clipping.state_dict(),
-                "stats": self.stats.state_dict(), "momentum": self.momentum, "velocities": velocities}
+                    velocities[sid] = b.velocity[o:o + k].detach().cpu().clone()
+            buckets.append({"sids": list(b.sids), "policy": b.compression.state_dict()})
+        return {"mode": "gradients", "iteration": self.sharing.step, "residuals": residuals, "buckets": buckets,
+                "pending_policies": dict(self._pending_policies), "stats": self.sharing.stats.state_dict(),
+                "momentum": self.sharing.momentum, "velocities": velocities}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore; the buckets are rebuilt from it at the next backward (before or after DDP's rebuild)."""
-        self.iteration = int(state["iteration"])
-        self.threshold.load_state_dict(state["template"])
-        if self.clipping is not None and state.get("clipping") is not None:
-            self.clipping.load_state_dict(state["clipping"])
-        self.stats.load_state_dict(state["stats"])
+        """Restore; gradients mode rebuilds its buckets from it at the next backward."""
+        mode = state.get("mode", "gradients")
+        if mode != self.mode:
+            raise ValueError(f"load_state_dict: the checkpoint was written in {mode} mode, this state shares "
+                             f"{self.mode} ({'with' if self.mode == 'updates' else 'without'} optimizer=)")
+        if mode == "updates":
+            self.sharing.load_state_dict(state["sharing"])
+            return
+        self.sharing.step = int(state["iteration"])
+        self.sharing.stats.load_state_dict(state["stats"])
         self._pending_residuals = {int(k): v.detach().clone() for k, v in state["residuals"].items()}
         self._pending_velocities = {int(k): v.detach().clone() for k, v in state.get("velocities", {}).items()}
-        self._pending_thresholds = {int(k): v for k, v in state.get("pending_thresholds", {}).items()}
+        self._pending_policies = {int(k): v for k, v in state.get("pending_policies", {}).items()}
         for b in state["buckets"]:
             for sid in b["sids"]:
-                self._pending_thresholds[int(sid)] = b["threshold"]
+                self._pending_policies[int(sid)] = b["policy"]
         self._buckets.clear()
         self._home.clear()
-        self.step_skipped = False
+        self.sharing.step_skipped = False
 
     def __getstate__(self):
-        return {"config": {"threshold": self.threshold, "clipping": self.clipping, "nonfinite": self.nonfinite,
-                           "average": self.average, "fallback": self.fallback, "momentum": self.momentum},
+        cfg = dict(self._config)
+        return {"config": cfg, "mode": self.mode,
                 "stats_config": {"max_records": self.stats.records.maxlen, "norm_every": self.stats.norm_every,
                                  "log_every": self.stats.log_every},
-                "state": self.state_dict()}
+                "state": self.state_dict() if self.mode == "gradients" else None}
 
     def __setstate__(self, d):
         cfg = d["config"]
-        self.__init__(None, cfg["threshold"], cfg["clipping"], cfg["nonfinite"], average=cfg["average"],
-                      fallback=cfg["fallback"], stats=Statistics(**d["stats_config"]),
-                      momentum=cfg.get("momentum"))
-        self.load_state_dict(d["state"])
+        self.__init__(None, cfg["compression"], cfg["clipping"], cfg["nonfinite"], average=cfg["average"],
+                      fallback=cfg["fallback"], stats=Statistics(**d["stats_config"]), momentum=cfg["momentum"],
+                      bucket_cap_mb=cfg["bucket_cap_mb"])
+        if d.get("state") is not None:
+            self.load_state_dict(d["state"])
 
-    # -- one iteration ---------------------------------------------------------------------------------
-    def _finish_iteration(self, futures: List[tuple]) -> None:
-        """Runs once every bucket of an iteration is exchanged: thresholds, statistics, skip rollback."""
-        results = [(b, f.value(), idx) for b, f, idx in futures]
-        skipped = any(r.skipped for _, r, _ in results)
-        step = self.iteration
-        want_norm = self.stats.wants_norm(step)
-        for b, r, idx in results:
-            if skipped:
-                if b.backup is not None:
-                    b.residual.copy_(b.backup)
-                if b.velocity_backup is not None:
-                    b.velocity.copy_(b.velocity_backup)
-            else:
-                b.threshold.observe(r.count, r.n, r.message_format)
-                if b.velocity is not None:
-                    zero_sent(b.velocity, r)          # momentum factor masking
-            self.stats.add(StepRecord(step=step, bucket=idx, n=r.n, tau=r.tau, count=r.count, density=r.density,
-                                      format=r.format, bytes_sent=r.bytes_sent, dense_bytes=r.dense_bytes,
-                                      residual_norm=residual_norm(b.residual) if want_norm else None))
-        self.step_skipped = skipped
-        if not skipped:
-            self.iteration += 1
-        self.stats.end_step()
+
+def _done(t: torch.Tensor) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(t)
+    return fut
 
 
 def threshold_hook(state: ThresholdState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: threshold-encoded exchange of ``bucket`` with error feedback; mean of all ranks.
-
-    Register with ``ddp.register_comm_hook(ThresholdState(...), threshold_hook)``.
-    """
+    """DDP comm hook: shares ``bucket`` through gradshare (module docstring); register with
+    ``ddp.register_comm_hook(ThresholdState(optimizer=opt), threshold_hook)``."""
     buf = bucket.buffer()
+    sh = state.sharing
+    if sh.world_size == 1:
+        return _done(buf)
+    if state.mode == "updates":
+        return _updates_hook(state, bucket, buf)
     b = state.bucket_for(bucket.parameters(), buf)
-    if state.nonfinite == "skip" and b.backup is None:
-        b.backup = torch.empty_like(b.residual)
-    update = buf
-    if b.velocity is not None:                    # momentum correction: encode u = m*u + g
-        if state.nonfinite == "skip":
-            if b.velocity_backup is None:
-                b.velocity_backup = torch.empty_like(b.velocity)
-            b.velocity_backup.copy_(b.velocity)
-        update = b.velocity.mul_(state.momentum).add_(buf.view(-1))
-    step = state.iteration
-    clip = state.clipping.factor(step) if state.clipping is not None else None
-    fut = exchange_async(update, b.residual, b.threshold.tau, out=buf, channel=state.channel(),
-                         group=state.process_group, average=state.average, clip=clip,
-                         fallback=state.fallback, backup=b.backup, nonfinite=state.nonfinite, step=step,
-                         name=f"DDP bucket {bucket.index()}")
+    fut = sh.start(b, buf, buf, f"DDP bucket {bucket.index()}")
     with state._lock:
-        state._inflight.append((b, fut, bucket.index()))
+        state._inflight.append((b, fut))
         if not bucket.is_last():
             return fut.then(lambda f: f.value().out)
         inflight, state._inflight = state._inflight, []
@@ -300,4 +300,29 @@ def threshold_hook(state: ThresholdState, bucket: dist.GradBucket) -> torch.futu
         state._finish_iteration(inflight)
         return fut.value().out
 
-    return torch.futures.collect_all([f for _, f, _ in inflight]).then(finish)
+    return torch.futures.collect_all([f for _, f in inflight]).then(finish)
+
+
+def _updates_hook(state: ThresholdState, bucket, buf: torch.Tensor) -> torch.futures.Future:
+    """Updates mode: the local gradient goes back to DDP unchanged; the last bucket agrees with every rank on
+    which ranks saw a non-finite gradient in this backward (an all-gather of one flag per rank) and, if any
+    did, makes this rank's last bucket non-finite too, so that every rank sees it (a GradScaler then skips
+    the step everywhere, as with DDP)."""
+    bad = (~torch.isfinite(buf)).any().reshape(1).float()
+    with state._lock:
+        state._bad = bad if state._bad is None else torch.maximum(state._bad, bad)
+        if not bucket.is_last():
+            return _done(buf)
+        flag, state._bad = state._bad, None
+    flags = torch.empty(dist.get_world_size(state.process_group), dtype=flag.dtype, device=flag.device)
+    work = dist.all_gather_into_tensor(flags, flag, group=state.process_group, async_op=True)
+
+    def agreed(f) -> torch.Tensor:
+        f.value()
+        # Set on every backward: a step that a GradScaler skips runs no optimizer hook to clear it.
+        state._nonfinite_ranks = [r for r, x in enumerate(flags.tolist()) if x > 0]
+        if state._nonfinite_ranks:
+            buf.fill_(float("nan"))
+        return buf
+
+    return work.get_future().then(agreed)

@@ -61,7 +61,8 @@ class TrainConfig:
     """Everything one rank needs to train; picklable (module-level callables only).
 
     ``batch_size`` is per worker. ``mode``: "shared_gradients" (gradshare.optim.SharedOptimizer with
-    ``threshold`` / ``clipping``; ``shared`` picks what is encoded: "gradients" or "updates") or
+    ``compression`` (None: chosen for the optimizer, gradshare.compression) and ``clipping`` (for +-tau
+    thresholds); ``shared`` picks what is encoded: "updates" (default) or "gradients") or
     "averaging" (ParameterAveraging every ``averaging_frequency`` steps). ``devices``: device i % len
     for rank i (default CPU). ``on_step(state)`` runs after every step on every rank (checkpointing);
     ``resume`` is a dict from :meth:`TrainState.state_dict` or a function rank -> such a dict.
@@ -73,8 +74,8 @@ class TrainConfig:
     epochs: int = 1
     batch_size: int = 32
     mode: str = "shared_gradients"
-    shared: str = "gradients"
-    threshold: Any = None
+    shared: str = "updates"
+    compression: Any = None
     clipping: Any = "default"
     averaging_frequency: int = 5
     average_optimizer_state: bool = True
@@ -164,10 +165,8 @@ def _build_trainer(cfg: TrainConfig, model: nn.Module):
                                   average_optimizer_state=cfg.average_optimizer_state,
                                   warmup_steps=cfg.warmup_steps)
     from gradshare.optim import SharedOptimizer
-    from gradshare.thresholds import Adaptive
 
-    kwargs = {"mode": cfg.shared, "threshold": copy.deepcopy(cfg.threshold) if cfg.threshold is not None
-              else Adaptive()}
+    kwargs = {"mode": cfg.shared, "compression": copy.deepcopy(cfg.compression)}
     if cfg.clipping != "default":
         kwargs["clipping"] = copy.deepcopy(cfg.clipping)
     # Replicas must start equal: the sharing keeps them equal only if they are.
@@ -207,9 +206,10 @@ def comm_step_info(opt) -> Dict[str, Any]:
             break
         last.append(r)
     n = sum(r.n for r in last)
-    # density weighted by bucket size; tau of the largest bucket
+    # density weighted by bucket size; tau of the largest bucket (+-tau schemes only)
+    tau = max(last, key=lambda r: r.n).tau
     return {"density": sum(r.density * r.n for r in last) / max(n, 1),
-            "tau": float(max(last, key=lambda r: r.n).tau),
+            "tau": float("nan") if tau is None else float(tau),
             "format": "+".join(sorted({r.format for r in last}))}
 
 

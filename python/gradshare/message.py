@@ -12,6 +12,24 @@ Layout (csrc/gradshare/message.h is the native twin of this file)::
 
 A message may sit in a longer, zero-padded row (the all-gather pads to the longest message); its header
 says how many words it uses. Sparse is chosen whenever its payload is no larger than the bitmap's.
+
+Two formats carry magnitudes instead of +-tau. Both split the buffer into chunks of ``chunk`` elements
+(the last may be shorter, ``len_c`` elements) and have a size fixed by (n, chunk, k): every rank's message
+is as long as every other's, so one all-gather moves them with no lengths round first::
+
+    top-k (format 3)  word 3 = chunk (1..65536), word 4 = k (entries per full chunk, 0..chunk)
+                      payload: for each chunk, k_c = ceil(k * len_c / chunk) words in ascending local
+                      index, each (bf16 bits of the value << 16) | local index; values finite
+    ternary (format 4) word 3 = chunk (a multiple of 16), word 4 = entries (present bits in all chunks)
+                      payload: for each chunk, 1 word (float32 bits of its scale, finite, >= 0), then
+                      ceil(len_c/16) code words laid out like the bitmap: element present -> +-scale
+    top-k, 8-bit values (format 5)  word 3 = chunk (1..65536), word 4 = k; per chunk: 1 word (float32 bits
+                      of its scale s, finite, >= 0), ceil(k_c/2) words of 16-bit local indices (two per word,
+                      the first in the low half, ascending), ceil(k_c/4) words of int8 values q in
+                      [-127, 127] (four per word, the first in the low byte); an entry is q * s. Unused halves
+                      and bytes are zero. 3 bytes an entry instead of 4.
+
+A rank whose update was not finite sends a non-finite marker of the same length (zero payload).
 """
 from __future__ import annotations
 
@@ -23,8 +41,11 @@ import torch
 MAGIC_VERSION = 0x47530001
 HEADER_WORDS = 5
 MAX_ELEMENTS = 2**31 - 1
-SPARSE, BITMAP, NONFINITE = 0, 1, 2
-FORMAT_NAMES = {SPARSE: "sparse", BITMAP: "bitmap", NONFINITE: "nonfinite"}
+SPARSE, BITMAP, NONFINITE, TOPK, TERNARY, TOPK8 = 0, 1, 2, 3, 4, 5
+FORMAT_NAMES = {SPARSE: "sparse", BITMAP: "bitmap", NONFINITE: "nonfinite", TOPK: "topk", TERNARY: "ternary",
+                TOPK8: "topk8"}
+CHUNKED = (TOPK, TERNARY, TOPK8)
+MAX_TOPK_CHUNK = 65536          # local indices are 16 bits
 # What encode() may be asked for; "auto" picks the smaller payload.
 FORMAT_CHOICES = {"auto": -1, "sparse": SPARSE, "bitmap": BITMAP}
 
@@ -35,6 +56,45 @@ def bitmap_words(n: int) -> int:
 
 def prefer_sparse(count: int, n: int) -> bool:
     return count <= bitmap_words(n)
+
+
+def chunk_lengths(n: int, chunk: int) -> list:
+    """Lengths of the chunks a chunked format splits n elements into (the last may be shorter)."""
+    return [min(chunk, n - o) for o in range(0, n, chunk)]
+
+
+def topk_entries(n: int, chunk: int, k: int) -> int:
+    """Entries of a top-k message: k per full chunk, ceil(k * len / chunk) for a shorter last one."""
+    full, rest = divmod(n, chunk)
+    return full * k + ((k * rest + chunk - 1) // chunk if rest else 0)
+
+
+def topk_words(n: int, chunk: int, k: int) -> int:
+    return HEADER_WORDS + topk_entries(n, chunk, k)
+
+
+def topk8_chunk_words(kc: int) -> int:
+    return 1 + (kc + 1) // 2 + (kc + 3) // 4
+
+
+def topk8_words(n: int, chunk: int, k: int) -> int:
+    full, rest = divmod(n, chunk)
+    last = topk8_chunk_words((k * rest + chunk - 1) // chunk) if rest else 0
+    return HEADER_WORDS + full * topk8_chunk_words(k) + last
+
+
+def chunked_words(fmt: int, n: int, chunk: int, k: int) -> int:
+    """Length of a top-k, 8-bit top-k or ternary message (k is ignored for ternary)."""
+    if fmt == TOPK:
+        return topk_words(n, chunk, k)
+    if fmt == TOPK8:
+        return topk8_words(n, chunk, k)
+    return ternary_words(n, chunk)
+
+
+def ternary_words(n: int, chunk: int) -> int:
+    full, rest = divmod(n, chunk)
+    return HEADER_WORDS + full * (1 + chunk // 16) + ((1 + (rest + 15) // 16) if rest else 0)
 
 
 def message_words(fmt: int, n: int, count: int) -> int:
@@ -80,6 +140,9 @@ def header(fmt: int, n: int, count: int, tau: float) -> list:
     return [MAGIC_VERSION, fmt, n, count, float_bits(tau)]
 
 
-def nonfinite_marker(n: int, tau: float, index: int, device=None) -> torch.Tensor:
-    """The message a rank sends when its update was not finite: no payload, word 3 = first bad index."""
-    return torch.tensor(header(NONFINITE, n, index, tau), dtype=torch.int32, device=device)
+def nonfinite_marker(n: int, tau: float, index: int, device=None, words: int = HEADER_WORDS) -> torch.Tensor:
+    """The message a rank sends when its update was not finite: word 3 = first bad index, a zero payload
+    up to ``words`` (the fixed length of a top-k or ternary exchange; just the header otherwise)."""
+    out = torch.zeros(max(words, HEADER_WORDS), dtype=torch.int32, device=device)
+    out[:HEADER_WORDS] = torch.tensor(header(NONFINITE, n, index, tau), dtype=torch.int32)
+    return out

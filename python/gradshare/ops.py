@@ -152,6 +152,41 @@ def _(update, residual, tau, clip, choice):
     return update.new_empty(ctx.new_dynamic_size(), dtype=torch.int32)
 
 
+def _encode_topk_impl(update: torch.Tensor, residual: torch.Tensor, k: int, chunk: int, int8: bool) -> torch.Tensor:
+    fmt = msgfmt.TOPK8 if int8 else msgfmt.TOPK
+    if not _native.available():
+        return reference.encode_topk(update.view(-1), residual.view(-1), k, chunk, "int8" if int8 else "bf16")
+    out = torch.empty(msgfmt.chunked_words(fmt, update.numel(), chunk, k), dtype=torch.int32, device=update.device)
+    _native.encode_chunked(fmt, update, residual, chunk, k, out)
+    return out
+
+
+_encode_topk_op = torch.library.custom_op("gradshare::encode_topk", _encode_topk_impl, mutates_args=("residual",))
+
+
+@_encode_topk_op.register_fake
+def _(update, residual, k, chunk, int8):
+    fmt = msgfmt.TOPK8 if int8 else msgfmt.TOPK
+    return update.new_empty(msgfmt.chunked_words(fmt, update.numel(), chunk, k), dtype=torch.int32)
+
+
+def _encode_ternary_impl(update: torch.Tensor, residual: torch.Tensor, fraction: float, chunk: int) -> torch.Tensor:
+    if not _native.available():
+        return reference.encode_ternary(update.view(-1), residual.view(-1), fraction, chunk)
+    out = torch.empty(msgfmt.ternary_words(update.numel(), chunk), dtype=torch.int32, device=update.device)
+    _native.encode_chunked(msgfmt.TERNARY, update, residual, chunk, fraction, out)
+    return out
+
+
+_encode_ternary_op = torch.library.custom_op("gradshare::encode_ternary", _encode_ternary_impl,
+                                             mutates_args=("residual",))
+
+
+@_encode_ternary_op.register_fake
+def _(update, residual, fraction, chunk):
+    return update.new_empty(msgfmt.ternary_words(update.numel(), chunk), dtype=torch.int32)
+
+
 def _count_impl(update: torch.Tensor, residual: torch.Tensor, tau: float) -> torch.Tensor:
     if _native.available():
         c, bad = _native.count(update, residual, tau)
@@ -246,6 +281,58 @@ def encode(update: ArrayLike, residual: ArrayLike, tau: float, *, clip: Optional
     return out.cpu().numpy() if as_numpy else out
 
 
+def _check_chunk(chunk, low: int, high: int, multiple: int = 1) -> int:
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)):
+        raise TypeError(f"chunk: expected an int, got {type(chunk).__name__}")
+    c = int(chunk)
+    if not (low <= c <= high and c % multiple == 0):
+        extra = f" and a multiple of {multiple}" if multiple > 1 else ""
+        raise ValueError(f"chunk: must be in [{low}, {high}]{extra}, got {chunk}")
+    return c
+
+
+def encode_topk(update: ArrayLike, residual: ArrayLike, k: int, *, chunk: int = 4096,
+                values: str = "bf16") -> torch.Tensor:
+    """Top-k encode ``residual + update`` per chunk, keeping what was not sent in ``residual`` (in place).
+
+    In every chunk of ``chunk`` elements, the ``k`` entries with the largest |u| (u = residual + update; ties
+    go to the lower index; a shorter last chunk sends ceil(k * len / chunk)) are sent with their values, and
+    the residual keeps u minus the value sent: the rounding error too stays in it. ``values``: "bf16" (each
+    value rounded to bfloat16; 4 bytes an entry, format 3) or "int8" (one float scale per chunk, the largest
+    |value| / 127, and each value as a rounded multiple of it; 3 bytes an entry, format 5).
+    The message length depends only on (n, chunk, k), so every rank's message has the same size.
+    Non-finite u: a non-finite marker of the same length is returned and the residual is left unchanged.
+    """
+    update, residual = _check_update_residual(update, residual, residual_written=True)
+    chunk = _check_chunk(chunk, 1, msgfmt.MAX_TOPK_CHUNK)
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= int(k) <= chunk:
+        raise ValueError(f"k: must be an int in [0, chunk={chunk}], got {k!r}")
+    if values not in ("bf16", "int8"):
+        raise ValueError(f"values: expected 'bf16' or 'int8', got {values!r}")
+    return _run(_encode_topk_op, _encode_topk_impl, update.view(-1), residual.view(-1), int(k), chunk,
+                values == "int8")
+
+
+def encode_ternary(update: ArrayLike, residual: ArrayLike, fraction: float = 0.5, *,
+                   chunk: int = 4096) -> torch.Tensor:
+    """Ternary encode ``residual + update`` per chunk, keeping what was not sent in ``residual`` (in place).
+
+    In every chunk, the entries with |u| >= fraction * mean|u| (and u != 0) are sent as +-scale, where scale
+    is the mean |u| of those entries (one float per chunk, 2 bits per element: 16x smaller than float32).
+    Sums run in a fixed order, so the result does not depend on threads or device. Non-finite u: a
+    non-finite marker of the same length, residual unchanged.
+    """
+    update, residual = _check_update_residual(update, residual, residual_written=True)
+    chunk = _check_chunk(chunk, 16, 2**30, multiple=16)
+    try:
+        f = float(fraction)
+    except (TypeError, ValueError):
+        raise TypeError(f"fraction: expected a float, got {type(fraction).__name__}") from None
+    if not (f >= 0 and math.isfinite(f)):
+        raise ValueError(f"fraction: must be a finite number >= 0, got {fraction}")
+    return _run(_encode_ternary_op, _encode_ternary_impl, update.view(-1), residual.view(-1), f, chunk)
+
+
 def count(update: ArrayLike, residual: ArrayLike, tau: float) -> int:
     """How many elements of ``residual + update`` reach ``tau`` (a read-only pass; for density).
 
@@ -291,7 +378,37 @@ def decode(dst: ArrayLike, messages, *, scale: float = 1.0) -> None:
     if not math.isfinite(s):
         raise ValueError(f"scale: must be finite, got {scale}")
     rows = _message_rows(messages, dst.device)
+    if _overlap(dst, rows) or any(_overlap(dst, _as_tensor(m, "messages")) for m in _sources(messages)):
+        raise ValueError("messages: share memory with dst; decode into a separate buffer")
     _run(_decode_op, _decode_impl, dst.view(-1), rows, s)
+
+
+def _sources(messages) -> list:
+    """The tensors/arrays a decode call reads its messages from."""
+    if isinstance(messages, (torch.Tensor, np.ndarray)):
+        return [messages]
+    return [m for m in messages if isinstance(m, (torch.Tensor, np.ndarray))]
+
+
+def validate(messages, n: int, *, scale: float = 1.0) -> None:
+    """Checks that ``messages`` (as for :func:`decode`) are sound for a destination of ``n`` elements decoded with
+    ``scale``, writing nothing; raises MessageError naming the first bad message and its fault."""
+    s = float(scale)
+    if not math.isfinite(s):
+        raise ValueError(f"scale: must be finite, got {scale}")
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= int(n) <= msgfmt.MAX_ELEMENTS:
+        raise ValueError(f"n: expected an element count in [0, 2**31-1], got {n!r}")
+    first = messages if isinstance(messages, (torch.Tensor, np.ndarray)) else next(iter(messages), None)
+    device = _as_tensor(first, "messages").device if first is not None else torch.device("cpu")
+    rows = _message_rows(messages, device)
+    if _native.available():
+        _native.validate(rows, int(n), s)
+    else:
+        for i, r in enumerate(rows):
+            try:
+                reference.validate(r, int(n), s)
+            except ValueError as exc:
+                raise MessageError(f"message {i}: {exc}") from None
 
 
 def average(buffers: Sequence[ArrayLike], *, weights: Optional[Sequence[float]] = None,

@@ -8,6 +8,7 @@ into your model. For several hosts run gradshare.loop.train_rank under torchrun 
 from __future__ import annotations
 
 import os
+import warnings
 import pickle
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -75,7 +76,8 @@ class ParallelWrapper:
             or "averaging" (parameters and optimizer state averaged every ``averaging_frequency`` steps).
         averaging_frequency: steps between averaging rounds (averaging mode).
         prefetch_buffer: batches each worker prepares ahead in a background thread.
-        threshold: threshold algorithm for gradient sharing (default gradshare.thresholds.Adaptive()).
+        compression: what sharing sends (gradshare.compression; default: chosen for the optimizer).
+        threshold: the former name of ``compression`` (deprecated).
         devices: devices to place workers on (worker i on devices[i % len]); default the GPUs, else CPU.
         seed: fixes the data order of every epoch (and each worker's torch RNG).
         progress: show a tqdm progress bar (rank 0).
@@ -85,10 +87,15 @@ class ParallelWrapper:
 
     def __init__(self, model: nn.Module, optimizer: Any, loss_fn: Optional[Callable] = None,
                  workers: Optional[int] = None, mode: str = "shared_gradients", averaging_frequency: int = 5,
-                 prefetch_buffer: int = 2, threshold: Any = None, devices: Optional[Sequence[str]] = None,
-                 seed: int = 0, *, optimizer_kwargs: Optional[Dict[str, Any]] = None, shared: str = "gradients",
+                 prefetch_buffer: int = 2, compression: Any = None, devices: Optional[Sequence[str]] = None,
+                 seed: int = 0, *, optimizer_kwargs: Optional[Dict[str, Any]] = None, shared: str = "updates",
                  clipping: Any = "default", average_optimizer_state: bool = True, warmup_steps: int = 0,
-                 progress: bool = True, timeout: float = 7 * _DAY):
+                 progress: bool = True, timeout: float = 7 * _DAY, threshold: Any = None):
+        if threshold is not None:
+            if compression is not None:
+                raise TypeError("pass compression= or its former name threshold=, not both")
+            warnings.warn("ParallelWrapper(threshold=...) is now compression=...", DeprecationWarning, stacklevel=2)
+            compression = threshold
         if mode not in loop.MODES:
             raise ValueError(f"mode: expected one of {loop.MODES}, got {mode!r}")
         if isinstance(optimizer, type):
@@ -105,7 +112,7 @@ class ParallelWrapper:
         self.mode = mode
         self.averaging_frequency = int(averaging_frequency)
         self.prefetch_buffer = int(prefetch_buffer)
-        self.threshold = threshold
+        self.compression = compression
         self.seed = int(seed)
         self.shared = shared
         self.clipping = clipping
@@ -114,7 +121,7 @@ class ParallelWrapper:
         self.progress = progress
         self.timeout = float(timeout)
         self.steps: List[Dict[str, Any]] = []  # per-step records of rank 0 in the last fit
-        for name in ("optimizer", "loss_fn", "threshold", "clipping"):
+        for name in ("optimizer", "loss_fn", "compression", "clipping"):
             loop.check_picklable(name, getattr(self, name))
 
     def config(self, data, epochs: int = 1, batch_size: int = 32, validation_data=None,
@@ -123,7 +130,7 @@ class ParallelWrapper:
         cfg = loop.TrainConfig(
             model=self.model, optimizer=self.optimizer, train_data=_shareable(data, "train", self.seed),
             loss_fn=self.loss_fn, epochs=epochs, batch_size=batch_size, mode=self.mode, shared=self.shared,
-            threshold=self.threshold, clipping=self.clipping, averaging_frequency=self.averaging_frequency,
+            compression=self.compression, clipping=self.clipping, averaging_frequency=self.averaging_frequency,
             average_optimizer_state=self.average_optimizer_state, warmup_steps=self.warmup_steps,
             validation_data=None if validation_data is None else _shareable(validation_data, "test", self.seed),
             metrics=tuple(metrics), seed=self.seed, devices=self.devices, prefetch_buffer=self.prefetch_buffer,

@@ -5,7 +5,7 @@ the link bandwidth, and the compute time of one step on one worker (--step-time 
 a few real forward/backward steps). The advice comes from gradshare.costmodel: the expected step time of
 dense allreduce, fp16 allreduce, PowerSGD, gradshare threshold sharing and parameter averaging, DL4J's rule
 of thumb (>= 100 ms per step scales well, ~10 ms sub-linearly, <= 1 ms is not worth distributing), and a
-suggested threshold algorithm and averaging frequency. The model does not predict accuracy: compressed and
+suggested compression and averaging frequency. The model does not predict accuracy: compressed and
 averaged schemes trade some convergence per step for fewer bytes; check with a short run.
 
 Examples:
@@ -21,6 +21,7 @@ import sys
 import time
 from typing import List, Optional, Sequence, Tuple
 
+from gradshare import argtypes
 from gradshare import costmodel as cm
 from gradshare.message import HEADER_WORDS
 
@@ -39,30 +40,35 @@ CHOICES = ("allreduce", "fp16", "powersgd", "sharing", "averaging")
 
 def add_arguments(p) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--params", type=int, help="number of trainable parameters")
+    src.add_argument("--params", type=argtypes.count(1), help="number of trainable parameters (25000000, 2.5e7, 25M)")
     src.add_argument("--model", help="module:Class to instantiate and count (e.g. torchvision.models:resnet18)")
     p.add_argument("--model-kwargs", default="{}", help="JSON keyword arguments for the model class")
-    p.add_argument("--workers", type=int, default=2, help="data-parallel workers")
-    p.add_argument("--bandwidth", default="1gbit", help="per-worker link: 100mbit, 1gbit, 10gbit, 12.5MB/s ...")
-    p.add_argument("--latency-ms", type=float, default=cm.LATENCY_SECONDS * 1e3, help="per message round")
-    p.add_argument("--efficiency", type=float, default=cm.LINK_EFFICIENCY,
+    p.add_argument("--workers", type=argtypes.integer(1), default=2, help="data-parallel workers")
+    p.add_argument("--bandwidth", type=argtypes.bandwidth, default="1gbit",
+                   help="per-worker link: 100mbit, 1gbit, 10gbit, 12.5MB/s ...")
+    p.add_argument("--latency-ms", type=argtypes.number(0), default=cm.LATENCY_SECONDS * 1e3, help="per message round")
+    p.add_argument("--efficiency", type=argtypes.number(0, 1, low_open=True), default=cm.LINK_EFFICIENCY,
                    help="payload share of the link rate (TCP/IP overhead)")
     when = p.add_mutually_exclusive_group()
-    when.add_argument("--step-time", type=float, help="compute time of one step on one worker, ms")
+    when.add_argument("--step-time", type=argtypes.number(0, low_open=True),
+                      help="compute time of one step on one worker, ms")
     when.add_argument("--measure", action="store_true", help="time a few forward/backward steps of --model")
     p.add_argument("--input-shape", help="one sample's shape for --measure, e.g. 1,28,28")
-    p.add_argument("--batch-size", type=int, default=32, help="per-worker batch for --measure")
-    p.add_argument("--measure-steps", type=int, default=5, help="timed steps for --measure (after 2 warm-up)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads for --measure (one core per worker)")
-    p.add_argument("--density", type=float, default=1e-3,
-                   help="expected fraction of elements per gradshare message (Adaptive keeps 1e-4..1e-2)")
-    p.add_argument("--powersgd-rank", type=int, default=2)
-    p.add_argument("--averaging-period", type=int, help="fix the averaging period instead of suggesting one")
-    p.add_argument("--optimizer-state", type=float, default=0.0,
+    p.add_argument("--batch-size", type=argtypes.integer(1), default=32, help="per-worker batch for --measure")
+    p.add_argument("--measure-steps", type=argtypes.integer(1), default=5,
+                   help="timed steps for --measure (after 2 warm-up)")
+    p.add_argument("--threads", type=argtypes.integer(1), default=1,
+                   help="torch threads for --measure (one core per worker)")
+    p.add_argument("--density", type=argtypes.number(0, 1, low_open=True), default=1e-2,
+                   help="fraction of elements per gradshare message (TopK's default 0.01)")
+    p.add_argument("--powersgd-rank", type=argtypes.integer(1), default=2, help="PowerSGD's matrix rank")
+    p.add_argument("--averaging-period", type=argtypes.integer(1),
+                   help="fix the averaging period instead of suggesting one")
+    p.add_argument("--optimizer-state", type=argtypes.number(0), default=0.0,
                    help="parameter-sized optimizer buffers averaged too (momentum 1, Adam 2)")
-    p.add_argument("--overlap", type=float, default=0.0,
+    p.add_argument("--overlap", type=argtypes.number(0, 1), default=0.0,
                    help="share of compute that hides a DDP allreduce (0 = none, 1 = fully overlapped)")
-    p.add_argument("--encode-ns", type=float, default=cm.ENCODE_SECONDS_PER_ELEMENT * 1e9,
+    p.add_argument("--encode-ns", type=argtypes.number(0), default=cm.ENCODE_SECONDS_PER_ELEMENT * 1e9,
                    help="gradshare encode cost per element, ns (default measured on one loaded core)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -147,34 +153,39 @@ def fitting_density(params: int, workers: int, link: cm.Link, compute: float) ->
     return max(0.0, min(1.0, entries / params))
 
 
-def suggest_threshold(params: int, workers: int, link: cm.Link, compute: float, density: float) -> dict:
-    """A threshold algorithm (gradshare.thresholds) for the link: Adaptive unless the link needs sparser messages."""
+def suggest_compression(params: int, workers: int, link: cm.Link, compute: float, density: float) -> dict:
+    """What sharing should send on this link (gradshare.compression): the defaults when the link carries them
+    within 10% of compute, else a TopK density that fits, else parameter averaging."""
     fit = fitting_density(params, workers, link, compute)
     crossover = cm.sharing_crossover_workers(density)
     out = {"fitting_density": fit, "crossover_workers": crossover}
+    ternary = 1.0 / 16   # a ternary message is as large as a top-k one of this density
     if workers >= crossover:
-        out.update(algorithm="Adaptive()", why=(
+        out.update(algorithm="ThresholdState(optimizer=opt)", why=(
             f"at {workers} workers the all-gather of density-{density:g} messages moves more than a dense allreduce "
             f"(N > 2/d = {crossover:g}): gradshare falls back to the dense allreduce on those steps; "
             f"parameter averaging or fewer, larger workers suit this better"))
+    elif fit >= ternary:
+        out.update(algorithm="ThresholdState(optimizer=opt) (TopK(0.01) for SGD, Ternary() for Adam)",
+                   why="the defaults: even a ternary message (2 bits an element) costs <= 10% of compute on this link")
     elif fit >= 1e-2:
-        out.update(algorithm="Adaptive(initial=1e-3, min_sparsity=1e-4, max_sparsity=1e-2)",
-                   why="DL4J's defaults: even 1e-2-dense messages cost <= 10% of compute on this link")
-    elif fit >= 1e-4:
-        cap = float(f"{fit:.1g}")
-        cap = cap if cap <= fit else fit
-        out.update(algorithm=f"Adaptive(initial=1e-3, min_sparsity=1e-4, max_sparsity={cap:.2g})",
-                   why=f"messages denser than {fit:.2g} would cost over 10% of compute; cap the adaptive range there")
+        out.update(algorithm="ThresholdState(optimizer=opt) for SGD; compression=TopK(0.01) for Adam",
+                   why=f"TopK(0.01) fits in 10% of compute, Adam's ternary messages (density {ternary:g} worth) do "
+                       f"not; TopK trains Adam worse than Ternary (README, Training quality): consider averaging")
+    elif fit >= 1e-3:
+        d = float(f"{fit:.1g}")
+        d = d if d <= fit else fit
+        out.update(algorithm=f"compression=TopK({d:.2g})",
+                   why=f"10% of compute carries messages of density {fit:.2g} at most: send that fraction")
     else:
-        target = max(fit, 1e-5)
-        out.update(algorithm=f"TargetSparsity(initial=1e-4, target={target:.2g})",
-                   why=(f"10% of compute carries messages of density {fit:.2g} at most; steer to {target:.2g} "
-                        f"(below 1e-4 convergence slows: watch the loss, DL4J #4270) or use averaging"))
+        out.update(algorithm="ParameterAveraging (or TopK(0.001))",
+                   why=(f"10% of compute carries messages of density {fit:.2g} at most: per-step sharing below 1e-3 "
+                        f"trains noticeably worse; average every few steps instead"))
     return out
 
 
 def make_plan(params: int, workers: int, bandwidth: float, compute: float, *, latency: float = cm.LATENCY_SECONDS,
-              efficiency: float = cm.LINK_EFFICIENCY, density: float = 1e-3, powersgd_rank: int = 2, shapes=None,
+              efficiency: float = cm.LINK_EFFICIENCY, density: float = 1e-2, powersgd_rank: int = 2, shapes=None,
               averaging_period: Optional[int] = None, optimizer_state_factor: float = 0.0,
               overlap: float = 0.0, encode_per_element: float = cm.ENCODE_SECONDS_PER_ELEMENT) -> dict:
     """The whole plan as a dict (what --json prints)."""
@@ -223,7 +234,7 @@ def make_plan(params: int, workers: int, bandwidth: float, compute: float, *, la
         "efficiency": efficiency, "compute_s": compute, "density": density,
         "dl4j_band": band, "recommendation": choice, "reasons": reasons,
         "schemes": schemes,
-        "threshold": suggest_threshold(params, workers, link, compute, density),
+        "compression": suggest_compression(params, workers, link, compute, density),
         "averaging": {"period": k_suggested, "why": k_why, "modelled_period": period},
         "sparse_allgather_crossover_workers": cm.sharing_crossover_workers(density),
     }
@@ -239,32 +250,51 @@ def format_plan(plan: dict) -> str:
                      f"{s['encode'] * 1e3:>9.3f} {s['step_time'] * 1e3:>9.3f} {s['speedup']:>7.2f}x  {s['note']}")
     lines += ["", f"DL4J rule: {plan['dl4j_band']}", f"use: {plan['recommendation']}"]
     lines += [f"  - {r}" for r in plan["reasons"]]
-    th = plan["threshold"]
-    lines.append(f"threshold (gradshare sharing): {th['algorithm']} -- {th['why']}")
+    th = plan["compression"]
+    lines.append(f"sharing: {th['algorithm']} -- {th['why']}")
     lines.append(f"averaging period: {plan['averaging']['period']} -- {plan['averaging']['why']}")
     lines.append(f"sparse all-gather beats the dense allreduce only below N = 2/d = "
                  f"{plan['sparse_allgather_crossover_workers']:g} workers; above it gradshare sends dense")
     return "\n".join(lines)
 
 
+def _refuse(message: str) -> int:
+    print(f"gradshare plan: error: {message}", file=sys.stderr)
+    return 2
+
+
 def run(args) -> int:
     shapes = None
     if args.model:
-        model = load_model(args.model, json.loads(args.model_kwargs))
+        try:
+            kwargs = json.loads(args.model_kwargs)
+        except ValueError as exc:
+            return _refuse(f"--model-kwargs: not JSON ({exc})")
+        if not isinstance(kwargs, dict):
+            return _refuse("--model-kwargs: expected a JSON object of keyword arguments")
+        try:
+            model = load_model(args.model, kwargs)
+        except Exception as exc:   # an import error, a missing name, a constructor that refuses the arguments
+            return _refuse(f"--model {args.model}: {type(exc).__name__}: {exc}")
         shapes = model_shapes(model)
         params = sum(math.prod(s) for s in shapes)
     else:
         params = args.params
     if args.measure:
         if not args.model or not args.input_shape:
-            raise SystemExit("gradshare plan: --measure needs --model and --input-shape")
-        shape = [int(x) for x in args.input_shape.split(",") if x]
+            return _refuse("--measure needs --model and --input-shape")
+        try:
+            shape = [int(x) for x in args.input_shape.split(",") if x]
+        except ValueError:
+            return _refuse(f"--input-shape: expected sizes like 1,28,28, got {args.input_shape!r}")
+        if not shape or min(shape) < 1:
+            return _refuse(f"--input-shape: expected positive sizes like 1,28,28, got {args.input_shape!r}")
         compute = measure_step_time(model, shape, args.batch_size, args.measure_steps, threads=args.threads)
     elif args.step_time is not None:
         compute = args.step_time / 1e3
     else:
-        raise SystemExit("gradshare plan: give --step-time MS or --measure")
-    plan = make_plan(params, args.workers, cm.parse_bandwidth(args.bandwidth), compute,
+        return _refuse("give --step-time MS or --measure")
+    plan = make_plan(params, args.workers, args.bandwidth, compute,
                      latency=args.latency_ms / 1e3, efficiency=args.efficiency, density=args.density,
                      powersgd_rank=args.powersgd_rank, shapes=shapes, averaging_period=args.averaging_period,
                      optimizer_state_factor=args.optimizer_state, overlap=args.overlap,

@@ -12,7 +12,10 @@ import numpy as np
 import torch
 
 from gradshare import message as msgfmt
-from gradshare.message import BITMAP, HEADER_WORDS, NONFINITE, SPARSE
+from gradshare.message import BITMAP, HEADER_WORDS, NONFINITE, SPARSE, TERNARY, TOPK, TOPK8
+
+BF16_MAX_BITS = 0x7F7F          # largest finite bfloat16
+LANES = 32                      # a ternary chunk sum: 32 strided partial sums, then a fixed pairwise tree
 
 
 def _f32(x: float) -> float:
@@ -68,6 +71,162 @@ def encode(update: torch.Tensor, residual: torch.Tensor, tau: float, clip: Optio
     return torch.cat([head, payload])
 
 
+def bf16_bits(u: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest-even bfloat16 bits (int64, 0..65535) of finite float32 values; a value that
+    would round past the largest bfloat16 is clamped to it, so a finite input gives a finite output."""
+    b = u.to(torch.bfloat16)
+    big = torch.tensor(BF16_MAX_BITS, dtype=torch.int16).view(torch.bfloat16).float()
+    b = torch.where(b.isinf(), torch.where(u < 0, -big, big).to(torch.bfloat16), b)
+    return b.view(torch.int16).long() & 0xFFFF
+
+
+def bf16_value(bits: torch.Tensor) -> torch.Tensor:
+    return (bits.long() << 16).to(torch.int32).view(torch.float32)
+
+
+def _first_bad(u: torch.Tensor) -> int:
+    bad = (~torch.isfinite(u)).nonzero()
+    return int(bad[0]) if bad.numel() else -1
+
+
+def _chunk_rows(u: torch.Tensor, chunk: int):
+    """Full chunks as rows of a 2-D view, and the shorter last chunk (or None)."""
+    full = u.numel() // chunk
+    return u[:full * chunk].view(full, chunk), (u[full * chunk:] if u.numel() % chunk else None)
+
+
+def _topk_rows(x: torch.Tensor, kc: int, chunk: int):
+    """Per row: the kc positions with the largest |x| (ties: the lower index), ascending."""
+    ln = x.shape[1]
+    # A unique integer key: |x| as float bits (monotonic for non-negative floats), then the lower index.
+    key = (x.abs().view(torch.int32).long() << 17) + (chunk - 1 - torch.arange(ln, device=x.device))
+    return torch.topk(key, kc, dim=1).indices.sort(dim=1).values
+
+
+def _pack_halves(x: torch.Tensor, per_word: int, bits: int) -> torch.Tensor:
+    """Rows of small unsigned ints -> rows of int32 words, `per_word` fields of `bits` bits, the first lowest."""
+    r, m = x.shape
+    words = (m + per_word - 1) // per_word
+    pad = torch.zeros(r, words * per_word, dtype=torch.int64, device=x.device)
+    pad[:, :m] = x
+    shifts = torch.arange(per_word, device=x.device) * bits
+    w = (pad.view(r, words, per_word) << shifts).sum(dim=2)
+    return torch.where(w >= 2**31, w - 2**32, w)
+
+
+def topk8_quantize(vals: torch.Tensor):
+    """Per row: scale = largest |value| / 127 (float32) and q = value / scale rounded half to even, clamped to
+    [-127, 127] (0 where the scale is 0)."""
+    scale = vals.abs().amax(dim=1) / np.float32(127) if vals.shape[1] else vals.new_zeros(vals.shape[0])
+    safe = torch.where(scale > 0, scale, 1.0).view(-1, 1)
+    q = torch.where(scale.view(-1, 1) > 0, torch.round(vals / safe), 0.0).clamp(-127, 127)
+    return scale, q.long().float()     # an integer, as the kernels hold it: no -0.0
+
+
+def encode_topk(update: torch.Tensor, residual: torch.Tensor, k: int, chunk: int, values: str = "bf16") -> torch.Tensor:
+    """Top-k encode: in every chunk the k_c entries of u = residual + update with the largest |u| (ties: the
+    lower index) are sent with their values (bfloat16, or int8 times a scale per chunk with ``values="int8"``);
+    the residual keeps u minus what was sent."""
+    fmt = TOPK if values == "bf16" else TOPK8
+    n = update.numel()
+    u = residual + update.float()
+    words = msgfmt.chunked_words(fmt, n, chunk, k)
+    bad = _first_bad(u)
+    if bad >= 0:
+        return msgfmt.nonfinite_marker(n, 0.0, bad, device=update.device, words=words)
+    kept = u.clone()
+    payload = []
+    full, last = _chunk_rows(u, chunk)
+    for rows, lo, kc in ((full, 0, k), (None if last is None else last.view(1, -1), full.numel(),
+                                       (k * (n % chunk) + chunk - 1) // chunk)):
+        if rows is None or rows.shape[0] == 0:
+            continue
+        idx = _topk_rows(rows, kc, chunk) if kc else torch.zeros(rows.shape[0], 0, dtype=torch.int64)
+        vals = torch.gather(rows, 1, idx)
+        pos = lo + idx + torch.arange(rows.shape[0], device=u.device).view(-1, 1) * chunk
+        if fmt == TOPK:
+            b = bf16_bits(vals)
+            sent = bf16_value(b)
+            word = ((b << 16) | idx).view(-1)
+            payload.append(torch.where(word >= 2**31, word - 2**32, word))
+        else:
+            scale, q = topk8_quantize(vals)
+            sent = q * scale.view(-1, 1)
+            payload.append(torch.cat([scale.view(torch.int32).long().view(-1, 1), _pack_halves(idx, 2, 16),
+                                      _pack_halves(q.long() & 0xFF, 4, 8)], dim=1).view(-1))
+        kept[pos.view(-1)] = (vals - sent).view(-1)
+    residual.copy_(kept)
+    head = torch.tensor(msgfmt.header(fmt, n, chunk, 0.0), dtype=torch.int64, device=update.device)
+    head[4] = k
+    return torch.cat([head] + payload).to(torch.int32)
+
+
+def chunk_abs_sums(rows: torch.Tensor) -> torch.Tensor:
+    """sum |x| of each row (a chunk) in the kernels' order: lane j adds elements j, j+32, j+64, ... in turn,
+    then the 32 lane sums meet in a pairwise tree (16, 8, 4, 2, 1 apart). float32 throughout."""
+    a = rows.abs()
+    pad = (-a.shape[1]) % LANES
+    a = torch.cat([a, a.new_zeros(a.shape[0], pad)], dim=1).view(a.shape[0], -1, LANES)
+    acc = a.new_zeros(a.shape[0], LANES)
+    for r in range(a.shape[1]):
+        acc = acc + a[:, r]
+    for step in (16, 8, 4, 2, 1):
+        acc = torch.cat([acc[:, :step] + acc[:, step:2 * step], acc[:, 2 * step:]], dim=1)
+    return acc[:, 0]
+
+
+def _ternary_rows(x: torch.Tensor, frac: np.float32):
+    """Per row (chunk): the selection, the scale and the kept residual."""
+    ln = x.shape[1]
+    mean = chunk_abs_sums(x) / np.float32(ln)
+    th = (mean * frac).view(-1, 1)
+    sel = (x.abs() >= th) & (x != 0)
+    cnt = sel.sum(dim=1)
+    s2 = chunk_abs_sums(torch.where(sel, x, 0.0))
+    scale = torch.where(cnt > 0, s2 / cnt.clamp(min=1).float(), 0.0)
+    sent = torch.where(sel, torch.where(x < 0, -scale.view(-1, 1), scale.view(-1, 1)), 0.0)
+    return sel, scale, torch.where(sel, x - sent, x)
+
+
+def _codes(sel: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+    """2-bit codes of each row, ceil(len/16) words per row (bit b present, bit b+16 negative)."""
+    r, ln = sel.shape
+    cw = (ln + 15) // 16
+    present = torch.zeros(r, cw * 16, dtype=torch.int64, device=sel.device)
+    negative = torch.zeros_like(present)
+    present[:, :ln] = sel.long()
+    negative[:, :ln] = (sel & neg).long()
+    shifts = torch.arange(16, device=sel.device)
+    codes = ((present.view(r, cw, 16) << shifts) | (negative.view(r, cw, 16) << (shifts + 16))).sum(dim=2)
+    return torch.where(codes >= 2**31, codes - 2**32, codes)
+
+
+def encode_ternary(update: torch.Tensor, residual: torch.Tensor, fraction: float, chunk: int) -> torch.Tensor:
+    """Ternary encode: per chunk, entries with |u| >= fraction * mean|u| (and u != 0) are sent as +-scale, where
+    scale is the mean |u| of those entries; the residual keeps u minus what was sent."""
+    n = update.numel()
+    u = residual + update.float()
+    words = msgfmt.ternary_words(n, chunk)
+    bad = _first_bad(u)
+    if bad >= 0:
+        return msgfmt.nonfinite_marker(n, 0.0, bad, device=update.device, words=words)
+    frac = np.float32(fraction)
+    kept, payload, entries = u.clone(), [], 0
+    full, last = _chunk_rows(u, chunk)
+    for rows, lo in ((full, 0), (None if last is None else last.view(1, -1), full.numel())):
+        if rows is None or rows.shape[0] == 0:
+            continue
+        sel, scale, rest = _ternary_rows(rows, frac)
+        kept[lo:lo + rows.numel()] = rest.view(-1)
+        entries += int(sel.sum())
+        scale_bits = scale.view(torch.int32).long().view(-1, 1)
+        payload.append(torch.cat([scale_bits, _codes(sel, rows < 0)], dim=1).view(-1))
+    residual.copy_(kept)
+    head = torch.tensor(msgfmt.header(TERNARY, n, chunk, 0.0), dtype=torch.int64, device=update.device)
+    head[4] = entries
+    return torch.cat([head] + payload).to(torch.int32)
+
+
 def _rows(messages) -> list:
     if isinstance(messages, torch.Tensor):
         return [messages] if messages.dim() == 1 else list(messages)
@@ -82,6 +241,9 @@ def validate(row: torch.Tensor, n: int, scale: float = 1.0) -> msgfmt.MessageInf
     info = msgfmt.parse_header(row)
     if info.format == NONFINITE:
         raise ValueError("message is a non-finite marker: its sender saw NaN/Inf and sent no update")
+    if info.format in msgfmt.CHUNKED:
+        _validate_chunked(row, info.format, n, scale)
+        return info
     if info.format not in (SPARSE, BITMAP):
         raise ValueError("unknown message format")
     if info.n != n:
@@ -115,12 +277,127 @@ def validate(row: torch.Tensor, n: int, scale: float = 1.0) -> msgfmt.MessageInf
     return info
 
 
+def _chunked_parts(row: torch.Tensor, fmt: int, n: int):
+    """Header fields and the payload split per chunk: [(first element, chunk length, payload rows)], each
+    payload row one chunk (full chunks together, the shorter last one alone)."""
+    head = row[:HEADER_WORDS].tolist()
+    chunk, k = head[3], head[4]
+    full, rest = divmod(n, chunk)
+    per = {TOPK: lambda ln: (k * ln + chunk - 1) // chunk, TERNARY: lambda ln: 1 + (ln + 15) // 16,
+           TOPK8: lambda ln: msgfmt.topk8_chunk_words((k * ln + chunk - 1) // chunk)}[fmt]
+    words = msgfmt.chunked_words(fmt, n, chunk, k)
+    p = row[HEADER_WORDS:words].long() & 0xFFFFFFFF
+    parts = []
+    if full:
+        parts.append((0, chunk, p[:full * per(chunk)].view(full, per(chunk))))
+    if rest:
+        parts.append((full * chunk, rest, p[full * per(chunk):].view(1, per(rest))))
+    return chunk, k, words, parts
+
+
+def _validate_chunked(row: torch.Tensor, fmt: int, n: int, scale: float) -> None:
+    head = row[:HEADER_WORDS].tolist()
+    if head[2] != n:
+        raise ValueError("message length n does not match the destination buffer")
+    chunk, k = head[3], head[4]
+    if fmt in (TOPK, TOPK8) and (not 1 <= chunk <= msgfmt.MAX_TOPK_CHUNK or not 0 <= k <= chunk):
+        raise ValueError("top-k message: chunk must be in [1, 65536] and k in [0, chunk]")
+    if fmt == TERNARY and (not (16 <= chunk <= 2**30 and chunk % 16 == 0) or not 0 <= k <= n):
+        raise ValueError("ternary message: chunk must be a multiple of 16 and the entry count in [0, n]")
+    words = msgfmt.chunked_words(fmt, n, chunk, k)
+    if words > row.numel():
+        raise ValueError("message payload runs past the end of its row")
+    total = 0
+    for _, ln, p in _chunked_parts(row.cpu(), fmt, n)[3]:
+        if p.shape[1] == 0:
+            continue
+        if fmt == TOPK8:
+            kc = (k * ln + chunk - 1) // chunk
+            sc, idx, q = _topk8_fields(p, kc)
+            with np.errstate(over="ignore"):
+                if not (torch.isfinite(sc).all() and (sc >= 0).all() and torch.isfinite(sc * 127 * np.float32(scale)).all()):
+                    raise ValueError("8-bit top-k chunk scale is not finite and >= 0 (or overflows times scale)")
+            if kc and ((idx >= ln).any() or (idx[:, 1:] <= idx[:, :-1]).any() or (q == -128).any()):
+                raise ValueError("8-bit top-k entry index out of its chunk, not ascending, or value -128")
+            iw = (kc + 1) // 2
+            if (kc % 2 and (p[:, iw] >> 16).any()) or (kc % 4 and (p[:, 1 + iw + kc // 4] >> (8 * (kc % 4))).any()):
+                raise ValueError("8-bit top-k padding is not zero")
+            continue
+        if fmt == TOPK:
+            idx = p & 0xFFFF
+            with np.errstate(over="ignore"):
+                v = bf16_value(p >> 16) * np.float32(scale)
+            if (idx >= ln).any() or (idx[:, 1:] <= idx[:, :-1]).any():
+                raise ValueError("top-k entry index out of its chunk or not strictly ascending")
+            if not torch.isfinite(v).all():
+                raise ValueError("top-k entry value is not finite (or overflows times scale)")
+            continue
+        sc = p[:, 0].to(torch.int64)
+        sc = torch.where(sc >= 2**31, sc - 2**32, sc).to(torch.int32).view(torch.float32)
+        with np.errstate(over="ignore"):
+            if not (torch.isfinite(sc).all() and (sc >= 0).all() and torch.isfinite(sc * np.float32(scale)).all()):
+                raise ValueError("ternary chunk scale is not finite and >= 0 (or overflows times scale)")
+        w = p[:, 1:]
+        present, negative = w & 0xFFFF, w >> 16
+        if (negative & ~present).any():
+            raise ValueError("ternary code word has a sign bit without its present bit")
+        valid = (ln - torch.arange(w.shape[1]) * 16).clamp(0, 16)
+        if (present >> valid).any():
+            raise ValueError("ternary bit past the end of its chunk")
+        total += int(((present.view(-1, 1) >> torch.arange(16)) & 1).sum())
+    if fmt == TERNARY and total != k:
+        raise ValueError("ternary entry count does not match the header")
+
+
+def _topk8_fields(p: torch.Tensor, kc: int):
+    """Rows of 8-bit top-k chunks -> (scales, local indices, int8 values), each row one chunk."""
+    sc = torch.where(p[:, 0] >= 2**31, p[:, 0] - 2**32, p[:, 0]).to(torch.int32).view(torch.float32)
+    iw, vw = (kc + 1) // 2, (kc + 3) // 4
+    halves = ((p[:, 1:1 + iw].unsqueeze(2) >> torch.tensor([0, 16])) & 0xFFFF).view(p.shape[0], -1)[:, :kc]
+    octets = ((p[:, 1 + iw:1 + iw + vw].unsqueeze(2) >> torch.tensor([0, 8, 16, 24])) & 0xFF).view(p.shape[0], -1)
+    q = octets[:, :kc]
+    return sc, halves, torch.where(q >= 128, q - 256, q)
+
+
+def _apply_chunked(flat: torch.Tensor, row: torch.Tensor, fmt: int, n: int, scale: float) -> None:
+    head = row[:HEADER_WORDS].tolist()
+    for lo, ln, p in _chunked_parts(row, fmt, n)[3]:
+        if p.shape[1] == 0:
+            continue
+        p = p.to(flat.device)
+        base = lo + torch.arange(p.shape[0], device=flat.device).view(-1, 1) * ln
+        if fmt == TOPK8:
+            kc = (head[4] * ln + head[3] - 1) // head[3]
+            sc, idx, q = _topk8_fields(p.cpu(), kc)
+            v = (q.float() * sc.view(-1, 1)) * np.float32(scale)
+            i = (base.cpu() + idx).view(-1).to(flat.device)
+            flat[i] = flat[i] + v.view(-1).to(flat.device)
+            continue
+        if fmt == TOPK:
+            idx = (base + (p & 0xFFFF)).view(-1)
+            flat[idx] = flat[idx] + (bf16_value(p >> 16) * np.float32(scale)).view(-1)
+            continue
+        sc = torch.where(p[:, 0] >= 2**31, p[:, 0] - 2**32, p[:, 0]).to(torch.int32).view(torch.float32)
+        v = (sc * np.float32(scale)).view(-1, 1)
+        w = p[:, 1:].unsqueeze(2)
+        shifts = torch.arange(16, device=flat.device)
+        present = ((w >> shifts) & 1).view(p.shape[0], -1)[:, :ln].bool()
+        negative = ((w >> (shifts + 16)) & 1).view(p.shape[0], -1)[:, :ln].bool()
+        delta = torch.where(present, torch.where(negative, -v, v), 0.0)
+        idx = (base + torch.arange(ln, device=flat.device)).view(-1)
+        sel = present.view(-1)
+        flat[idx[sel]] = flat[idx[sel]] + delta.view(-1)[sel]
+
+
 def decode(dst: torch.Tensor, messages, scale: float = 1.0) -> None:
     """dst[i] += sign * (tau * scale) for every entry of every message, messages in order."""
     n = dst.numel()
     rows = _rows(messages)
     infos = [validate(r, n, scale) for r in rows]  # all first: a bad message changes nothing
     for row, info in zip(rows, infos):
+        if info.format in msgfmt.CHUNKED:
+            _apply_chunked(dst.view(-1), row.cpu(), info.format, n, scale)
+            continue
         v = float(np.float32(info.tau) * np.float32(scale))
         payload = row[HEADER_WORDS:info.words].long()
         if info.format == SPARSE:

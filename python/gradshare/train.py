@@ -1,7 +1,7 @@
 """Train a small CNN data-parallel with threshold gradient sharing or parameter averaging, then report
 the test accuracy, the wall time and the bytes sent against what dense all-reduce would have sent.
 
-With no options: 2 local workers share thresholded gradients to train a small CNN on scikit-learn's
+With no options: 2 local workers share their optimizer's updates to train a small CNN on scikit-learn's
 bundled handwritten digits. `--data mnist:PATH` reads the MNIST idx files in PATH.
 
 `--launcher` picks the engine that starts the workers; each runs the same per-rank :func:`train_job`, so a
@@ -38,56 +38,61 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from gradshare import loop
+from gradshare import argtypes, loop
 from gradshare.loop import TrainConfig, train_rank  # noqa: F401  (train_rank: the per-rank loop)
 from gradshare.workers import stop_process_group
 
 # ------------------------------------------------------------------------------------------ options
-def parse_threshold(spec: str):
-    """"adaptive" | "adaptive:INITIAL_TAU" | "fixed:TAU" | "target:SPARSITY" -> a threshold algorithm."""
-    from gradshare.thresholds import Adaptive, Fixed, TargetSparsity
+def parse_compression(spec: str):
+    """What sharing sends, from the command line: "auto" (None: chosen for the optimizer), "topk[:DENSITY]",
+    "ternary[:FRACTION]", "target:DENSITY" (TopK), "fixed:TAU" or "adaptive[:INITIAL_TAU]" (DL4J's +-tau)."""
+    from gradshare.compression import Ternary, TopK
+    from gradshare.thresholds import Adaptive, Fixed
 
     name, _, value = spec.partition(":")
     try:
+        if name == "auto" and not value:
+            return None
+        if name == "topk":
+            return TopK(float(value)) if value else TopK()
+        if name == "ternary":
+            return Ternary(float(value)) if value else Ternary()
+        if name == "target" and value:
+            return TopK(float(value))
         if name == "adaptive":
             return Adaptive(initial=float(value)) if value else Adaptive()
         if name == "fixed" and value:
             return Fixed(float(value))
-        if name == "target" and value:
-            return TargetSparsity(target=float(value))
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"--threshold {spec}: {exc}") from None
-    raise argparse.ArgumentTypeError(f"--threshold: expected fixed:TAU, adaptive or target:SPARSITY, got {spec!r}")
+        raise argparse.ArgumentTypeError(f"--compression {spec}: {exc}") from None
+    raise argparse.ArgumentTypeError("--compression: expected auto, topk[:DENSITY], ternary[:FRACTION], "
+                                     f"target:DENSITY, fixed:TAU or adaptive[:TAU], got {spec!r}")
 
 
-def _threshold_arg(spec: str) -> str:
-    parse_threshold(spec)  # validate early, keep the string (JSON-able options)
-    return spec
-
-
-def _data_arg(spec: str) -> str:
-    if spec != "digits" and not (spec.startswith("mnist:") and len(spec) > 6):
-        raise argparse.ArgumentTypeError(f"expected digits or mnist:PATH, got {spec!r}")
+def _compression_arg(spec: str) -> str:
+    parse_compression(spec)  # validate early, keep the string (JSON-able options)
     return spec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=int, default=2, help="worker processes")
+    p.add_argument("--workers", type=argtypes.integer(1), default=2, help="worker processes")
     p.add_argument("--mode", choices=loop.MODES, default="shared_gradients",
                    help="gradient sharing (threshold-encoded) or periodic parameter averaging")
-    p.add_argument("--epochs", type=int, default=12, help="passes over the training set")
-    p.add_argument("--batch-size", type=int, default=32, help="samples per worker per step")
-    p.add_argument("--lr", type=float, default=3e-3, help="learning rate")
+    p.add_argument("--epochs", type=argtypes.integer(1), default=12, help="passes over the training set")
+    p.add_argument("--batch-size", type=argtypes.integer(1), default=32, help="samples per worker per step")
+    p.add_argument("--lr", type=argtypes.number(0, low_open=True), default=3e-3, help="learning rate")
     p.add_argument("--optimizer", choices=["adam", "sgd"], default="adam",
                    help="inner optimizer (sgd: momentum 0.9)")
-    p.add_argument("--share", choices=["gradients", "updates"], default="gradients",
-                   help="gradient sharing: encode gradients (optimizer state identical everywhere) or the "
-                        "post-optimizer updates (DL4J; optimizer state local)")
-    p.add_argument("--threshold", type=_threshold_arg, default="adaptive",
-                   help="gradient sharing threshold: fixed:TAU | adaptive[:INITIAL_TAU] | target:SPARSITY")
-    p.add_argument("--averaging-frequency", type=int, default=5, help="steps between averaging rounds")
-    p.add_argument("--data", type=_data_arg, default="digits", help="digits | mnist:PATH (idx files, .gz or not)")
-    p.add_argument("--seed", type=int, default=0, help="model initialisation, data split and order")
+    p.add_argument("--share", choices=["updates", "gradients"], default="updates",
+                   help="what sharing encodes: the optimizer's updates (each rank's optimizer state stays local) or "
+                        "the gradients (optimizer state identical everywhere)")
+    p.add_argument("--compression", "--threshold", dest="compression", type=_compression_arg, default="auto",
+                   help="what sharing sends: auto (chosen for the optimizer) | topk[:DENSITY] | ternary[:FRACTION] | "
+                        "target:DENSITY | fixed:TAU | adaptive[:INITIAL_TAU] (--threshold is its former name)")
+    p.add_argument("--averaging-frequency", type=argtypes.integer(1), default=5, help="steps between averaging rounds")
+    p.add_argument("--data", type=argtypes.data_spec, default="digits",
+                   help="digits | mnist:PATH (idx files, .gz or not)")
+    p.add_argument("--seed", type=argtypes.integer(0), default=0, help="model initialisation, data split and order")
     p.add_argument("--metrics", metavar="CSV", help="write per-step statistics (rank 0) to this CSV file")
     p.add_argument("--plot", metavar="PNG", help="plot loss, accuracy and bytes per step (needs matplotlib)")
     p.add_argument("--launcher", choices=sorted(LAUNCHERS), default="local",
@@ -96,18 +101,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-dir", metavar="DIR",
                    help="where rank 0 keeps checkpoints; an existing checkpoint there is resumed "
                         "(default: a temporary directory, removed after a successful run)")
-    g.add_argument("--checkpoint-every", type=int, metavar="STEPS",
+    g.add_argument("--checkpoint-every", type=argtypes.integer(0), metavar="STEPS",
                    help="steps between checkpoints (default: 0 = none, or 100 with --max-restarts)")
-    g.add_argument("--max-restarts", type=int, default=0, metavar="K",
+    g.add_argument("--max-restarts", type=argtypes.integer(0), default=0, metavar="K",
                    help="torchrun: restart all workers up to K times after a failure; spark: rerun the job up "
                         "to K times; both resume from the newest checkpoint")
-    g.add_argument("--timeout", type=float, default=86400.0, metavar="SECONDS",
+    g.add_argument("--timeout", type=argtypes.number(0, low_open=True), default=86400.0, metavar="SECONDS",
                    help="local and torchrun: stop the run after this long (default one day)")
-    g.add_argument("--collective-timeout", type=float, default=300.0, metavar="SECONDS",
+    g.add_argument("--collective-timeout", type=argtypes.number(0, low_open=True), default=300.0, metavar="SECONDS",
                    help="torchrun and spark: a collective waiting on a dead or stuck peer fails after this long")
     g = p.add_argument_group("torchrun launcher")
     g.add_argument("--nnodes", default="1", help="torchrun nodes (hosts), N or MIN:MAX; >1 needs --rdzv-endpoint")
-    g.add_argument("--node-rank", type=int, default=0, help="this host's node rank")
+    g.add_argument("--node-rank", type=argtypes.integer(0), default=0, help="this host's node rank")
     g.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                    help="rendezvous address (on the first host); default: --standalone on this host")
     g.add_argument("--rdzv-backend", default="c10d", help="torchrun rendezvous backend (with --rdzv-endpoint)")
@@ -126,7 +131,7 @@ def options_from_args(args: argparse.Namespace) -> Dict[str, Any]:
     """The run's options as a JSON-able dict (what a cluster launcher hands to :func:`train_job`)."""
     return {"workers": args.workers, "mode": args.mode, "epochs": args.epochs,
             "batch_size": args.batch_size, "lr": args.lr, "optimizer": args.optimizer, "share": args.share,
-            "threshold": args.threshold, "averaging_frequency": args.averaging_frequency, "data": args.data,
+            "compression": args.compression, "averaging_frequency": args.averaging_frequency, "data": args.data,
             "seed": args.seed, "progress": not args.no_progress}
 
 
@@ -146,8 +151,9 @@ def build_config(opts: Dict[str, Any]) -> TrainConfig:
     mode = opts.get("mode", "shared_gradients")
     return TrainConfig(model=model, optimizer=optimizer, train_data=data, validation_data=data,
                        epochs=int(opts.get("epochs", 12)), batch_size=int(opts.get("batch_size", 32)), mode=mode,
-                       shared=opts.get("share", "gradients"),
-                       threshold=parse_threshold(opts.get("threshold", "adaptive")) if mode != "averaging" else None,
+                       shared=opts.get("share", "updates"),
+                       compression=parse_compression(opts.get("compression", opts.get("threshold", "auto")))
+                       if mode != "averaging" else None,
                        averaging_frequency=int(opts.get("averaging_frequency", 5)),
                        metrics=("loss", "accuracy"), seed=int(opts.get("seed", 0)),
                        progress=bool(opts.get("progress", True)))
@@ -330,17 +336,6 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             print("--plot needs matplotlib: pip install matplotlib (or gradshare[plot])", file=sys.stderr)
             return 2
-    for name in ("workers", "epochs", "batch_size", "averaging_frequency"):
-        if getattr(args, name) < 1:
-            print(f"--{name.replace('_', '-')}: must be >= 1", file=sys.stderr)
-            return 2
-    for name in ("max_restarts", "checkpoint_every"):
-        if (getattr(args, name) or 0) < 0:
-            print(f"--{name.replace('_', '-')}: must be >= 0", file=sys.stderr)
-            return 2
-    if args.timeout <= 0 or args.collective_timeout <= 0:
-        print("--timeout, --collective-timeout: must be > 0", file=sys.stderr)
-        return 2
     if args.launcher != "torchrun" and (args.rdzv_endpoint or args.nnodes != "1" or args.torchrun_arg
                                         or args.print_command):
         print("--nnodes, --rdzv-endpoint, --torchrun-arg and --print-command need --launcher torchrun",
@@ -381,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_and_report(args: argparse.Namespace, opts: Dict[str, Any], launch: Dict[str, Any]) -> int:
     print(f"gradshare train: SmallCNN on {opts['data']}, {opts['workers']} {args.launcher} workers, "
-          f"{opts['mode']}" + (f" ({opts['share']}, threshold {opts['threshold']})"
+          f"{opts['mode']}" + (f" ({opts['share']}, compression {opts['compression']})"
                                if opts["mode"] == "shared_gradients"
                                else f" (every {opts['averaging_frequency']} steps)")
           + f", {opts['optimizer']} lr {opts['lr']:g}, {opts['epochs']} epochs, batch {opts['batch_size']} per worker",

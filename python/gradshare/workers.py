@@ -16,8 +16,9 @@ from datetime import timedelta
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from gradshare import process_group
 
 
 class WorkerError(RuntimeError):
@@ -62,18 +63,17 @@ def _entry(rank: int, world_size: int, port: int, backend: str, threads: int, co
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=collective_timeout))
+        process_group.init_process_group(backend, rank=rank, world_size=world_size,
+                                         timeout=timedelta(seconds=collective_timeout))   # MASTER_* set above
         out = fn(*args)
         results.put((rank, True, out))
     except BaseException:  # report everything, KeyboardInterrupt included
         results.put((rank, False, traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+        try:
+            process_group.destroy_process_group()
+        except Exception:
+            pass
 
 
 def run_local(fn: Callable, world_size: int, args: Sequence = (), *, backend: str = "gloo",

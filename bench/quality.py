@@ -1,0 +1,255 @@
+"""Training quality at equal steps: does sharing train as well as DDP, and for how many bytes?
+
+Every contender trains the same workload (bench/workloads.py) from the same seed, on the same batches,
+for the same number of steps, with the same optimizer; only the exchange differs. Each run is a real
+job of ``--workers`` processes over gloo on loopback (gradshare.workers.run_local). Reported per
+workload and contender: the final metric (test accuracy, or validation loss for the language model) as
+mean [min, max] over the seeds, its difference from DDP paired by seed, and the bytes over the whole run
+against DDP's. Bytes are counted the same way for every contender: the ring-model bytes of every
+collective a rank issues during training steps (an allreduce of B bytes sends 2(W-1)/W*B, an all-gather
+of B bytes per rank (W-1)*B), DDP included (it runs torch's allreduce hook so that its collectives are
+seen).
+
+    python bench/quality.py                                   # every workload and contender, seeds 0,1,2
+    python bench/quality.py --workloads mnist_cnn --contenders ddp,gradshare --seeds 0
+    python bench/quality.py --report bench/results/quality    # re-render the tables of a run
+
+Contenders: ``ddp`` (DDP allreduce), ``powersgd`` (torch's PowerSGD hook, rank 2, dense for the first 10%
+of steps as its docs advise), ``gradshare`` (DDP + ``ThresholdState(optimizer=opt)``: the defaults),
+``gradshare_1e-2`` / ``gradshare_1e-3`` (forced densities, ``compression=TargetSparsity(d)``), and for
+the record of how the defaults were chosen: ``gradshare_ternary`` / ``gradshare_topk`` (the two codecs on
+every workload), ``gradshare_gradients`` (the hook without ``optimizer=``: gradients shared),
+``gradshare_strom`` (DL4J's +-tau with an Adaptive threshold, gradients shared: gradshare's former default)
+and ``single`` (one process alone, same batch per step: what sharing must beat).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+CONTENDERS = ("ddp", "powersgd", "gradshare", "gradshare_1e-2", "gradshare_1e-3", "gradshare_ternary",
+              "gradshare_topk", "gradshare_gradients", "gradshare_strom", "single")
+DEFAULT_CONTENDERS = ("ddp", "powersgd", "gradshare", "gradshare_1e-2", "gradshare_1e-3", "single")
+
+
+# ------------------------------------------------------------------------------------ collective bytes
+class ByteCounter:
+    """Counts the ring-model bytes of the collectives this process issues while ``on``."""
+
+    def __init__(self, world: int):
+        import torch.distributed as dist
+
+        self.world, self.bytes, self.on = world, 0, False
+        w = world
+
+        def wrap(name, cost):
+            fn = getattr(dist, name, None)
+            if fn is None:
+                return
+
+            def counted(*args, **kwargs):
+                if self.on:
+                    self.bytes += int(cost(*args, **kwargs))
+                return fn(*args, **kwargs)
+
+            setattr(dist, name, counted)
+
+        def nbytes(t):
+            return t.numel() * t.element_size()
+
+        wrap("all_reduce", lambda t, *a, **k: 2 * (w - 1) * nbytes(t) // w)
+        wrap("all_gather_into_tensor", lambda out, inp, *a, **k: (w - 1) * nbytes(inp))
+        wrap("all_gather_single", lambda out, inp, *a, **k: (w - 1) * nbytes(inp))
+        wrap("all_gather", lambda outs, inp, *a, **k: (w - 1) * nbytes(inp))
+        wrap("broadcast", lambda t, *a, **k: (w - 1) * nbytes(t) // w)
+
+
+# ------------------------------------------------------------------------------------ one rank
+def rank_main(cfg: Dict) -> Dict:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import workloads
+
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wl = workloads.WORKLOADS[cfg["workload"]]
+    data = workloads.Data(cfg["workload"], cfg["seed"], cfg["data_dir"])
+    counter = ByteCounter(world)
+    torch.manual_seed(cfg["seed"])
+    model = wl.model()
+    n = sum(p.numel() for p in model.parameters())
+    name = cfg["contender"]
+    net = DDP(model, bucket_cap_mb=math.ceil(4 * n / 2**20) + 1) if name == "powersgd" else DDP(model)
+    opt = wl.optimizer(net.parameters())
+    state = None
+    if name == "ddp":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        net.register_comm_hook(None, default_hooks.allreduce_hook)
+    elif name == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+        # One bucket: on gloo, powerSGD_hook launches its second allreduce from the first one's callback,
+        # which races with the next bucket's hook; a single bucket keeps every rank's collectives in order.
+        ps_state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                    start_powerSGD_iter=max(2, wl.steps // 10), min_compression_rate=2,
+                                    use_error_feedback=True, warm_start=True, random_seed=cfg["seed"])
+        net.register_comm_hook(ps_state, ps.powerSGD_hook)
+    elif name.startswith("gradshare") or name.startswith("gs:"):
+        import gradshare
+
+        kwargs = {"optimizer": opt}
+        if name == "gradshare_1e-2":
+            kwargs["compression"] = gradshare.TargetSparsity(target=0.01)
+        elif name == "gradshare_1e-3":
+            kwargs["compression"] = gradshare.TargetSparsity(target=0.001)
+        elif name == "gradshare_ternary":
+            kwargs["compression"] = gradshare.Ternary()
+        elif name == "gradshare_topk":
+            kwargs["compression"] = gradshare.TopK()
+        elif name == "gradshare_gradients":
+            kwargs = {}
+        elif name == "gradshare_strom":
+            kwargs = {"compression": gradshare.Adaptive(), "clipping": gradshare.ResidualClipping()}
+        elif name.startswith("gs:"):       # exploration: gs:EXPR (EXPR a ThresholdState keyword dict over gradshare's names)
+            kwargs = dict(eval(name[3:], dict(vars(gradshare), opt=opt)))
+        state = gradshare.ThresholdState(**kwargs)
+        net.register_comm_hook(state, gradshare.threshold_hook)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=wl.steps)
+    losses, t0 = [], time.perf_counter()
+    for step in range(wl.steps):
+        x, y = data.batch(step, rank if name != "single" else 0, world if name != "single" else 1, wl.batch)
+        counter.on = True
+        opt.zero_grad(set_to_none=True)
+        loss = data.loss(net(x), y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        counter.on = False
+        losses.append(float(loss.detach()))
+    seconds = time.perf_counter() - t0
+    metric = data.evaluate(model) if rank == 0 else None
+    out = {"rank": rank, "world": world, "params": n, "steps": wl.steps, "metric": metric,
+           "train_loss": statistics.fmean(losses[-50:]), "bytes": counter.bytes,
+           "dense_bytes": wl.steps * 2 * (world - 1) * 4 * n // world if world > 1 else 0, "seconds": seconds}
+    if state is not None:
+        out["library_bytes"] = state.stats.bytes_sent
+        out["formats"] = dict(state.stats.format_counts)
+    return out
+
+
+def _single(cfg: Dict) -> Dict:
+    return rank_main(cfg)
+
+
+def run_one(workload: str, contender: str, seed: int, workers: int, data_dir: str) -> Dict:
+    from gradshare.workers import run_local
+
+    cfg = {"workload": workload, "contender": contender, "seed": seed, "data_dir": data_dir}
+    world = 1 if contender == "single" else workers
+    t0 = time.perf_counter()
+    outs = run_local(rank_main, world, (cfg,), threads=1, timeout=3600, collective_timeout=600)
+    r0 = outs[0]
+    ddp_bytes = r0["steps"] * 2 * (workers - 1) * 4 * r0["params"] // workers
+    return {"workload": workload, "contender": contender, "seed": seed, "workers": world, "metric": r0["metric"],
+            "train_loss": r0["train_loss"], "bytes": max(o["bytes"] for o in outs), "ddp_bytes": ddp_bytes,
+            "library_bytes": r0.get("library_bytes"), "formats": r0.get("formats"), "params": r0["params"],
+            "steps": r0["steps"], "train_seconds": r0["seconds"], "wall_seconds": time.perf_counter() - t0}
+
+
+# ------------------------------------------------------------------------------------ tables
+def summarize(results: List[Dict]) -> str:
+    import workloads
+
+    lines = []
+    for wl in dict.fromkeys(r["workload"] for r in results):
+        rows = [r for r in results if r["workload"] == wl and r.get("metric") is not None]
+        metric = workloads.WORKLOADS[wl].metric
+        ddp = {r["seed"]: r["metric"] for r in rows if r["contender"] == "ddp"}
+        first = rows[0] if rows else None
+        if first is None:
+            continue
+        lines.append(f"*{wl}* ({first['params']:,} parameters, {first['steps']} steps, "
+                     f"{'test accuracy' if metric == 'accuracy' else 'validation loss'})\n")
+        gap = "Δ vs DDP (pt)" if metric == "accuracy" else "Δ vs DDP"
+        lines.append(f"| contender | final {metric} | {gap} | bytes vs DDP | seeds |")
+        lines.append("|---|---|---:|---:|---:|")
+        for c in dict.fromkeys(r["contender"] for r in rows):
+            rs = [r for r in rows if r["contender"] == c]
+            vals = [r["metric"] for r in rs]
+            mean = statistics.fmean(vals)
+            spread = f" [{min(vals):.4f}, {max(vals):.4f}]" if len(vals) > 1 else ""
+            paired = [r["metric"] - ddp[r["seed"]] for r in rs if r["seed"] in ddp]
+            if paired and metric == "accuracy":
+                d = f"{100 * statistics.fmean(paired):+.2f}"
+            elif paired:
+                d = f"{100 * statistics.fmean(p / ddp[r['seed']] for p, r in zip(paired, rs)):+.1f}%"
+            else:
+                d = "n/a"
+            sent = sum(r["bytes"] for r in rs)
+            ratio = "n/a (1 process)" if c == "single" else (f"{sum(r['ddp_bytes'] for r in rs) / sent:.1f}x"
+                                                             if sent else "n/a")
+            lines.append(f"| {c} | {mean:.4f}{spread} | {d} | {ratio} | {len(rs)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", default="mnist_cnn,mlp,bn_cnn,char_lm")
+    p.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS),
+                   help=f"comma-separated, from {', '.join(CONTENDERS)}")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--data-dir", default=None, help="MNIST idx files (default: ../shared/data/mnist)")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "quality"))
+    p.add_argument("--report", metavar="DIR", help="re-render DIR/results.json and exit")
+    args = p.parse_args(argv)
+    if args.report:
+        results = json.load(open(os.path.join(args.report, "results.json")))
+        print(summarize(results))
+        return 0
+    import workloads
+
+    data_dir = args.data_dir or workloads.MNIST_DIR
+    sep = ";" if ";" in args.contenders else ","      # gs:EXPR contenders hold commas: separate them with ;
+    contenders = [c for c in args.contenders.split(sep) if c]
+    unknown = [c for c in contenders if c not in CONTENDERS and not c.startswith("gs:")]
+    if unknown:
+        p.error(f"unknown contender(s) {unknown}; choose from {', '.join(CONTENDERS)}")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "results.json")
+    results = json.load(open(path)) if os.path.exists(path) else []
+    done = {(r["workload"], r["contender"], r["seed"]) for r in results}
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for wl in args.workloads.split(","):
+            for c in contenders:
+                if (wl, c, seed) in done:
+                    continue
+                r = run_one(wl, c, seed, args.workers, data_dir)
+                results.append(r)
+                print(json.dumps({k: r[k] for k in ("workload", "contender", "seed", "metric", "bytes",
+                                                    "ddp_bytes", "wall_seconds")}), flush=True)
+                with open(path + ".tmp", "w") as f:
+                    json.dump(results, f, indent=1)
+                os.replace(path + ".tmp", path)
+    table = summarize(results)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(f"`python bench/quality.py {' '.join(argv or sys.argv[1:])}`, {args.workers} workers\n\n{table}\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

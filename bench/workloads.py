@@ -1,0 +1,183 @@
+"""The models, data and training recipes the benchmarks train (bench/quality.py, bench/e2e_worker.py).
+
+Each workload is a recipe a user would run with DDP: a model, its optimizer and learning rate (decayed to zero
+along a cosine over the run, as most training does), a batch size per rank, the data and the metric it is
+judged by.
+
+- ``mnist_cnn``: gradshare.models.SmallCNN on MNIST, SGD lr 0.05 momentum 0.9, batch 32 per rank.
+- ``mlp``: 784-2048-1024-10 perceptron (3.7M parameters, a dense step is 15 MB), SGD lr 0.05 momentum 0.9.
+- ``bn_cnn``: a three-block conv net with BatchNorm on MNIST, SGD lr 0.05 momentum 0.9, weight decay 5e-4.
+- ``char_lm``: a 4-layer causal transformer (d=96, 4 heads, context 64, 0.5M parameters) on the bytes of
+  Python's own standard library sources (the text ships with every Python), AdamW lr 3e-3, weight decay
+  0.01, batch 16 windows per rank; judged by validation loss on held-out modules.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sysconfig
+from dataclasses import dataclass
+from typing import Callable, Dict, Tuple
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MNIST_DIR = os.path.join(HERE, "..", "..", "shared", "data", "mnist")
+
+
+class MLP(nn.Module):
+    """784-2048-1024-10 perceptron, 3.7M parameters: a dense step is ~15 MB, communication-bound at 100 Mbit/s."""
+
+    def __init__(self, hidden=(2048, 1024), num_classes: int = 10):
+        super().__init__()
+        layers, width = [nn.Flatten()], 28 * 28
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        layers.append(nn.Linear(width, num_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class BNNet(nn.Module):
+    """Three conv-BatchNorm-ReLU blocks and a linear head (24k parameters)."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+
+        def block(i, o):
+            return [nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU()]
+
+        self.net = nn.Sequential(*block(1, 16), nn.MaxPool2d(2), *block(16, 32), nn.MaxPool2d(2), *block(32, 64),
+                                 nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(a)
+        return x + self.mlp(self.ln2(x))
+
+
+class CharLM(nn.Module):
+    """Byte-level causal transformer: 256-token vocabulary, learned positions, pre-norm blocks."""
+
+    def __init__(self, d: int = 96, layers: int = 4, heads: int = 4, context: int = 64):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(256, d), nn.Embedding(context, d)
+        self.blocks = nn.Sequential(*[Block(d, heads) for _ in range(layers)])
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, 256)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        return self.head(self.ln(self.blocks(x)))
+
+
+# ----------------------------------------------------------------------------------------------- text
+TRAIN_MODULES = ("argparse.py", "collections/__init__.py", "dataclasses.py", "inspect.py", "typing.py", "pathlib.py",
+                 "subprocess.py", "tarfile.py", "threading.py", "logging/__init__.py", "enum.py", "functools.py")
+VALID_MODULES = ("json/decoder.py", "json/encoder.py", "textwrap.py", "string.py")
+CONTEXT = 64
+
+
+def stdlib_bytes(modules) -> torch.Tensor:
+    lib = sysconfig.get_paths()["stdlib"]
+    data = b"".join(open(os.path.join(lib, m), "rb").read() for m in modules)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+# ----------------------------------------------------------------------------------------------- recipes
+@dataclass
+class Workload:
+    name: str
+    model: Callable[[], nn.Module]
+    optimizer: Callable[[object], torch.optim.Optimizer]
+    batch: int                    # per rank
+    steps: int
+    metric: str                   # "accuracy" (higher is better) or "loss" (lower is better)
+
+
+def _sgd(lr=0.05, momentum=0.9, weight_decay=0.0):
+    return lambda ps: torch.optim.SGD(ps, lr=lr, momentum=momentum, weight_decay=weight_decay)
+
+
+def _small_cnn():
+    from gradshare.models import SmallCNN
+
+    return SmallCNN(in_channels=1, num_classes=10, image_size=28)
+
+
+WORKLOADS: Dict[str, Workload] = {
+    "mnist_cnn": Workload("mnist_cnn", _small_cnn, _sgd(), 32, 938, "accuracy"),
+    "mlp": Workload("mlp", MLP, _sgd(), 32, 600, "accuracy"),
+    "bn_cnn": Workload("bn_cnn", BNNet, _sgd(weight_decay=5e-4), 32, 938, "accuracy"),
+    "char_lm": Workload("char_lm", CharLM, lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.01), 16, 300,
+                        "loss"),
+}
+
+
+class Data:
+    """A workload's data: ``batch(step, rank, world)`` -> (inputs, targets), the same on every run for a seed;
+    ``evaluate(model)`` -> the metric on held-out data."""
+
+    def __init__(self, workload: str, seed: int, data_dir: str = MNIST_DIR):
+        self.workload, self.seed = workload, seed
+        if workload == "char_lm":
+            self.train, self.valid = stdlib_bytes(TRAIN_MODULES), stdlib_bytes(VALID_MODULES)
+        else:
+            from gradshare.data import load_mnist
+
+            train, test = load_mnist(data_dir)
+            self.train, self.valid = train.tensors, test.tensors
+
+    def batch(self, step: int, rank: int, world: int, size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self.workload == "char_lm":
+            g = torch.Generator().manual_seed(self.seed * 100003 + step)
+            starts = torch.randint(0, len(self.train) - CONTEXT - 1, (world, size), generator=g)[rank]
+            seq = self.train[starts[:, None] + torch.arange(CONTEXT + 1)]
+            return seq[:, :-1], seq[:, 1:]
+        x, y = self.train
+        per_epoch = len(y) // (world * size)
+        epoch, i = divmod(step, per_epoch)
+        perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(self.seed * 1000 + epoch))
+        idx = perm[(i * world + rank) * size:(i * world + rank + 1) * size]
+        return x[idx], y[idx]
+
+    @staticmethod
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> float:
+        was = model.training
+        model.eval()
+        if self.workload == "char_lm":
+            starts = torch.arange(0, len(self.valid) - CONTEXT - 1, CONTEXT)[:512]
+            total = 0.0
+            for i in range(0, len(starts), 128):
+                seq = self.valid[starts[i:i + 128, None] + torch.arange(CONTEXT + 1)]
+                total += float(F.cross_entropy(model(seq[:, :-1]).reshape(-1, 256), seq[:, 1:].reshape(-1),
+                                               reduction="sum"))
+            result = total / (len(starts) * CONTEXT)
+        else:
+            x, y = self.valid
+            correct = sum(int((model(x[i:i + 2000]).argmax(1) == y[i:i + 2000]).sum()) for i in range(0, len(y), 2000))
+            result = correct / len(y)
+        model.train(was)
+        return result if math.isfinite(result) else float("nan")

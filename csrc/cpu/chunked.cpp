@@ -1,0 +1,283 @@
+// Top-k and ternary encoding with fused residual accumulation (CPU). The formats are described in
+// csrc/gradshare/message.h; per-element rules (bf16 rounding, the selection key, the ternary test and
+// the order of chunk sums) are in csrc/gradshare/element.h, shared with csrc/cuda/chunked.cu; the pure-torch
+// twin is gradshare/reference.py. One chunk is one unit of work for one thread, so nothing depends on
+// the number of threads.
+//
+// Two phases. Phase 1 (parallel over chunks) computes u = residual + update into a per-thread scratch
+// chunk, checks it is finite and writes the chunk's part of the message. Phase 2 runs only when every
+// chunk was finite: it recomputes u and writes the residual (u, minus what was sent). A non-finite u
+// anywhere leaves the residual exactly as it was and turns the message into a marker of the same length.
+#include <algorithm>
+#include <vector>
+#include "cpu/parallel.h"
+#include "gradshare/kernels.h"
+
+namespace gs {
+namespace {
+
+// u = residual + update for one chunk into `u`; returns the first non-finite local index or -1.
+template <int DT>
+int64_t load_chunk(const void* update, const float* residual, int64_t lo, int64_t len, float* u) {
+  int32_t bad = 0;
+  for (int64_t j = 0; j < len; ++j) {
+    const float x = residual[lo + j] + load_as_float(update, DT, lo + j);
+    u[j] = x;
+    bad |= static_cast<int32_t>(!(x - x == 0.0f));  // x - x is 0 unless x is NaN/Inf
+  }
+  if (!bad) return -1;
+  for (int64_t j = 0; j < len; ++j)
+    if (!is_finite(u[j])) return j;
+  return -1;
+}
+
+int64_t load(const void* update, int32_t dtype, const float* residual, int64_t lo, int64_t len, float* u) {
+  switch (dtype) {
+    case kFloat16: return load_chunk<kFloat16>(update, residual, lo, len, u);
+    case kBFloat16: return load_chunk<kBFloat16>(update, residual, lo, len, u);
+    default: return load_chunk<kFloat32>(update, residual, lo, len, u);
+  }
+}
+
+// Writes the non-finite marker (header + zeros up to `words`).
+void write_marker(int32_t* out, int64_t words, int64_t n, int64_t index) {
+  write_header(out, kNonFinite, n, index, 0.0f);
+  std::fill(out + kHeaderWords, out + words, 0);
+}
+
+// The first non-finite element over all chunks (chunk order), or -1.
+int64_t first_bad(const std::vector<int64_t>& bad, int64_t chunk) {
+  for (size_t c = 0; c < bad.size(); ++c)
+    if (bad[c] >= 0) return static_cast<int64_t>(c) * chunk + bad[c];
+  return -1;
+}
+
+// The kc largest keys of u[0, len) (element.h's topk_key), as ascending local indices into `sel`.
+// A min-heap of size kc: most elements fail one comparison against its root, so this is close to one pass.
+void select_topk(const float* u, int64_t len, int64_t kc, std::vector<uint64_t>& heap, int32_t* sel) {
+  heap.clear();
+  auto greater = [](uint64_t a, uint64_t b) { return a > b; };  // std heap with greater: a min-heap
+  for (int64_t j = 0; j < len; ++j) {
+    const uint64_t key = topk_key(u[j], j);
+    if (static_cast<int64_t>(heap.size()) < kc) {
+      heap.push_back(key);
+      std::push_heap(heap.begin(), heap.end(), greater);
+    } else if (key > heap.front()) {
+      std::pop_heap(heap.begin(), heap.end(), greater);
+      heap.back() = key;
+      std::push_heap(heap.begin(), heap.end(), greater);
+    }
+  }
+  for (int64_t i = 0; i < kc; ++i) sel[i] = static_cast<int32_t>(0xffff - (heap[i] & 0xffffu));
+  std::sort(sel, sel + kc);
+}
+
+}  // namespace
+
+namespace {
+
+// Writes the kc selected entries (ascending local indices in sel[0..kc)) of a chunk in `format`:
+// top-k words (bf16 value | index) in place of sel, or the 8-bit layout (scale, index pairs, int8 values).
+void pack_topk(int32_t format, const float* u, const int32_t* sel, int64_t kc, int32_t* w) {
+  if (format == kTopK) {
+    for (int64_t i = 0; i < kc; ++i) w[i] = topk_word(bf16_bits(u[sel[i]]), sel[i]);
+    return;
+  }
+  float big = 0.0f;
+  for (int64_t i = 0; i < kc; ++i) big = std::max(big, u[sel[i]] < 0.0f ? -u[sel[i]] : u[sel[i]]);
+  const float s = topk8_scale(big);
+  const int64_t iw = (kc + 1) / 2, vw = (kc + 3) / 4;
+  std::fill(w + 1, w + 1 + iw + vw, 0);
+  w[0] = float_to_bits(s);
+  for (int64_t i = 0; i < kc; ++i) {
+    const uint32_t q = static_cast<uint8_t>(static_cast<int8_t>(topk8_quantize(u[sel[i]], s)));
+    w[1 + i / 2] = static_cast<int32_t>(static_cast<uint32_t>(w[1 + i / 2]) | (static_cast<uint32_t>(sel[i]) << (16 * (i % 2))));
+    w[1 + iw + i / 4] = static_cast<int32_t>(static_cast<uint32_t>(w[1 + iw + i / 4]) | (q << (8 * (i % 4))));
+  }
+}
+
+}  // namespace
+
+// Top-k (format kTopK: bfloat16 values) or 8-bit top-k (kTopK8): the same selection, two layouts.
+ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, float* residual, int64_t n, int64_t chunk,
+                              int64_t k, int32_t format, int32_t* out, int64_t capacity) {
+  const int64_t words = check_chunked_args(format, dtype, n, chunk, k, 0.0f, capacity);
+  const int64_t nch = (n + chunk - 1) / chunk, stride = chunk_stride(format, chunk, k);
+  std::vector<int64_t> bad(static_cast<size_t>(nch), -1);
+  int32_t* payload = out + kHeaderWords;
+  // Phase 1: select and write the message.
+#ifdef GS_HAVE_OPENMP
+#pragma omp parallel if (n >= kParallelMin)
+#endif
+  {
+    std::vector<float> u(static_cast<size_t>(std::min(chunk, n)));
+    std::vector<int32_t> sel(static_cast<size_t>(std::min(k, n)) + 1);
+    std::vector<uint64_t> heap;
+#ifdef GS_HAVE_OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (int64_t c = 0; c < nch; ++c) {
+      const int64_t lo = c * chunk, len = chunk_len(n, chunk, c), kc = topk_k(k, len, chunk);
+      int32_t* w = payload + c * stride;  // every earlier chunk is full
+      bad[c] = load(update, dtype, residual, lo, len, u.data());
+      if (bad[c] >= 0) continue;
+      if (kc > 0) select_topk(u.data(), len, kc, heap, sel.data());
+      pack_topk(format, u.data(), sel.data(), kc, w);
+    }
+  }
+  const int64_t b = first_bad(bad, chunk);
+  if (b >= 0) {
+    write_marker(out, words, n, b);
+    return {words, 0, b};
+  }
+  // Phase 2: residual = u, minus the value sent for each entry (exact in float32 for bf16 values).
+  GS_PARALLEL_FOR(n >= kParallelMin)
+  for (int64_t c = 0; c < nch; ++c) {
+    const int64_t lo = c * chunk, len = chunk_len(n, chunk, c), kc = topk_k(k, len, chunk);
+    switch (dtype) {
+      case kFloat16:
+        for (int64_t j = 0; j < len; ++j) residual[lo + j] += load_as_float(update, kFloat16, lo + j);
+        break;
+      case kBFloat16:
+        for (int64_t j = 0; j < len; ++j) residual[lo + j] += load_as_float(update, kBFloat16, lo + j);
+        break;
+      default: {
+        const float* g = static_cast<const float*>(update);
+        for (int64_t j = 0; j < len; ++j) residual[lo + j] += g[lo + j];
+      }
+    }
+    const int32_t* w = payload + c * stride;
+    if (format == kTopK) {
+      for (int64_t i = 0; i < kc; ++i) {
+        const uint32_t e = static_cast<uint32_t>(w[i]);
+        residual[lo + (e & 0xffffu)] -= bf16_bits_to_float(static_cast<uint16_t>(e >> 16));
+      }
+    } else {
+      const float s = bits_to_float(w[0]);
+      for (int64_t i = 0; i < kc; ++i) residual[lo + topk8_index(w, i)] -= topk8_entry(topk8_value(w, kc, i), s);
+    }
+  }
+  write_header(out, format, n, chunk, 0.0f);
+  out[4] = static_cast<int32_t>(k);
+  return {words, topk_entries(n, chunk, k), -1};
+}
+
+namespace {
+
+// |x| summed per lane over rows of kLanes elements (lane j: elements j, j+32, ... in turn); `keep` (or null)
+// zeroes the elements not counted. Branch-free rows of 32, so the compiler vectorises them; adding +0.0
+// leaves a lane sum unchanged, so this is exactly element.h's order.
+template <bool KEEP>
+inline float lane_abs_sum(const float* u, int64_t len, const uint8_t* keep) {
+  float acc[kLanes] = {0.0f};
+  const int64_t rows = len / kLanes;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = u + r * kLanes;
+    for (int l = 0; l < kLanes; ++l) {
+      const float a = x[l] < 0.0f ? -x[l] : x[l];
+      acc[l] += KEEP ? (keep[r * kLanes + l] ? a : 0.0f) : a;
+    }
+  }
+  for (int64_t j = rows * kLanes; j < len; ++j) {
+    const float a = u[j] < 0.0f ? -u[j] : u[j];
+    acc[j - rows * kLanes] += KEEP ? (keep[j] ? a : 0.0f) : a;
+  }
+  return lane_tree(acc);
+}
+
+// Bit b of a code word, as a table: AND-and-compare vectorises where per-lane variable shifts do not (SSE2).
+alignas(64) constexpr uint32_t kBit[16] = {1u << 0, 1u << 1, 1u << 2, 1u << 3, 1u << 4, 1u << 5, 1u << 6, 1u << 7,
+                                           1u << 8, 1u << 9, 1u << 10, 1u << 11, 1u << 12, 1u << 13, 1u << 14, 1u << 15};
+
+template <int DT>
+void ternary_residual(const void* update, float* residual, int64_t lo, int64_t len, const int32_t* w) {
+  const float scale = bits_to_float(w[0]);
+  const int64_t words = (len + 15) / 16;
+  for (int64_t q = 0; q < words; ++q) {
+    const uint32_t code = static_cast<uint32_t>(w[1 + q]);
+    const uint32_t present = code & 0xffffu, negative = code >> 16;
+    const int64_t base = lo + q * 16, m = std::min<int64_t>(16, len - q * 16);
+    if (m == 16) {
+      for (int b = 0; b < 16; ++b) {  // x - 0.0f is x, so the unsent elements need no branch
+        const float x = residual[base + b] + load_as_float(update, DT, base + b);
+        const float sent = (present & kBit[b]) ? ((negative & kBit[b]) ? -scale : scale) : 0.0f;
+        residual[base + b] = x - sent;
+      }
+    } else {
+      for (int64_t b = 0; b < m; ++b) {
+        const float x = residual[base + b] + load_as_float(update, DT, base + b);
+        const float sent = (present & kBit[b]) ? ((negative & kBit[b]) ? -scale : scale) : 0.0f;
+        residual[base + b] = x - sent;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, float* residual, int64_t n, int64_t chunk,
+                                 float fraction, int32_t* out, int64_t capacity) {
+  const int64_t words = check_chunked_args(kTernary, dtype, n, chunk, 0, fraction, capacity);
+  const int64_t nch = (n + chunk - 1) / chunk, per_full = ternary_chunk_words(chunk);
+  std::vector<int64_t> bad(static_cast<size_t>(nch), -1), entries(static_cast<size_t>(nch), 0);
+  int32_t* payload = out + kHeaderWords;
+  // Phase 1: per chunk the scale and the codes.
+#ifdef GS_HAVE_OPENMP
+#pragma omp parallel if (n >= kParallelMin)
+#endif
+  {
+    const size_t cap = static_cast<size_t>(std::min(chunk, n));
+    std::vector<float> u(cap);
+    std::vector<uint8_t> sent(cap);
+#ifdef GS_HAVE_OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (int64_t c = 0; c < nch; ++c) {
+      const int64_t lo = c * chunk, len = chunk_len(n, chunk, c);
+      bad[c] = load(update, dtype, residual, lo, len, u.data());
+      if (bad[c] >= 0) continue;
+      const float th = fraction * (lane_abs_sum<false>(u.data(), len, nullptr) / static_cast<float>(len));
+      int64_t cnt = 0;
+      for (int64_t j = 0; j < len; ++j) {
+        sent[j] = static_cast<uint8_t>(ternary_sent(u[j], th));
+        cnt += sent[j];
+      }
+      int32_t* w = payload + c * per_full;
+      for (int64_t q = 0; q < (len + 15) / 16; ++q) {
+        uint32_t present = 0, negative = 0;
+        const int64_t m = std::min<int64_t>(16, len - q * 16);
+        for (int64_t b = 0; b < m; ++b) {
+          const int64_t j = q * 16 + b;
+          present |= sent[j] ? kBit[b] : 0u;
+          negative |= (sent[j] && u[j] < 0.0f) ? kBit[b] : 0u;
+        }
+        w[1 + q] = static_cast<int32_t>(present | (negative << 16));
+      }
+      w[0] = float_to_bits(cnt ? lane_abs_sum<true>(u.data(), len, sent.data()) / static_cast<float>(cnt) : 0.0f);
+      entries[c] = cnt;
+    }
+  }
+  const int64_t b = first_bad(bad, chunk);
+  if (b >= 0) {
+    write_marker(out, words, n, b);
+    return {words, 0, b};
+  }
+  // Phase 2: residual = u, minus +-scale where sent.
+  GS_PARALLEL_FOR(n >= kParallelMin)
+  for (int64_t c = 0; c < nch; ++c) {
+    const int64_t lo = c * chunk, len = chunk_len(n, chunk, c);
+    const int32_t* w = payload + c * per_full;
+    switch (dtype) {
+      case kFloat16: ternary_residual<kFloat16>(update, residual, lo, len, w); break;
+      case kBFloat16: ternary_residual<kBFloat16>(update, residual, lo, len, w); break;
+      default: ternary_residual<kFloat32>(update, residual, lo, len, w);
+    }
+  }
+  int64_t total = 0;
+  for (int64_t e : entries) total += e;
+  write_header(out, kTernary, n, chunk, 0.0f);
+  out[4] = static_cast<int32_t>(total);
+  return {words, total, -1};
+}
+
+}  // namespace gs

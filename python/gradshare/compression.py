@@ -1,0 +1,256 @@
+"""What a bucket sends each step: the compression policies, and the one gradshare picks for an optimizer.
+
+Every policy keeps an error-feedback residual per bucket (what was not sent waits for later steps) and
+writes one int32 message per rank and step (gradshare.message):
+
+- ``TopK(density=0.01)``: in every chunk of 4096 elements, the entries with the largest accumulated
+  magnitude, with their values (bfloat16). About ``1 / (2 * density)`` times fewer bytes than a float32
+  allreduce with two ranks. For updates with a few large entries and many small ones: SGD's.
+- ``Ternary(fraction=0.5)``: every element as -s, 0 or +s with one scale s per chunk (2 bits per
+  element: 16x fewer bytes). For updates whose entries are all of similar size: Adam's, whose
+  normalised steps leave top-k nothing to pick between, and whose second moment would be distorted by
+  gradients that arrive in rare large bursts.
+- ``Strom(threshold)``: DL4J's scheme, each entry that reached tau sent as +-tau (``Fixed`` / ``Adaptive``
+  thresholds, gradshare.thresholds). Kept for DL4J semantics; it moves an element by at most tau per step.
+
+``for_optimizer(opt)`` is the default choice: ``TopK`` for SGD-like optimizers, ``Ternary`` for
+adaptive ones (Adam, AdamW, RMSprop, ...) and, with a warning, for optimizers gradshare does not know.
+How these were chosen (measured): README, "Training quality".
+
+TopK and Ternary messages have a length fixed by (n, chunk, k): every rank knows every message's size,
+so an exchange is a single all-gather. Strom messages vary in length, so their exchange first gathers
+the lengths.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from typing import Any, Dict, Optional, Union
+
+import torch
+
+from gradshare import ops
+from gradshare import message as msgfmt
+from gradshare.thresholds import (Adaptive, Fixed, ResidualClipping, TargetSparsity, Threshold, as_threshold)
+
+DEFAULT_CHUNK = 4096
+
+
+class Compression:
+    """Base class. ``words(n, step)``: the fixed message length (None: it varies, lengths are gathered
+    first); ``encode(update, residual, step)``: one message, residual updated in place; ``observe``:
+    learn from the finished exchange (adaptive thresholds)."""
+
+    name = "compression"
+
+    def words(self, n: int, step: int) -> Optional[int]:
+        raise NotImplementedError
+
+    def encode(self, update: torch.Tensor, residual: torch.Tensor, step: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def observe(self, count: int, n: int, message_format: int) -> None:
+        pass
+
+    @property
+    def tau(self) -> Optional[float]:
+        """The threshold of a +-tau scheme (None for the others)."""
+        return None
+
+    def clone(self) -> "Compression":
+        return copy.deepcopy(self)
+
+    def config(self) -> Dict[str, Any]:
+        """The settings that every rank must share (compared across ranks)."""
+        return {"kind": type(self).__name__}
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "kind")
+        return f"{type(self).__name__}({args})"
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
+def _fraction(name: str, value: Any, high: float = 1.0) -> float:
+    v = float(value)
+    if not (0 < v <= high and math.isfinite(v)):
+        raise ValueError(f"{name}: must be in (0, {high:g}], got {value}")
+    return v
+
+
+class TopK(Compression):
+    """Send, per chunk, the ``density`` fraction of entries with the largest accumulated magnitude.
+
+    Args:
+        density: fraction of entries sent each step (0.01: 41 of every 4096). Bytes on the wire are about
+            ``2 * density`` times those of a float32 allreduce with two ranks (4 bytes per entry: a 16-bit
+            position and a bfloat16 value).
+        chunk: elements per chunk (<= 65536). Each chunk sends its own share, so every layer of a bucket
+            is heard from each step, whatever the scale of its gradients.
+        values: "bf16" (each value rounded to bfloat16: 4 bytes an entry) or "int8" (one scale per chunk and
+            each value as a rounded multiple of it: 3 bytes an entry). Either way the rounding error stays in
+            the residual and is sent later.
+        warmup_steps, warmup_density: over the first ``warmup_steps`` steps the density falls
+            exponentially from ``warmup_density`` to ``density`` (Deep Gradient Compression's warm-up).
+            Off by default: on the workloads measured it did not help (README, "Training quality").
+    """
+
+    name = "topk"
+
+    def __init__(self, density: float = 0.01, *, chunk: int = DEFAULT_CHUNK, warmup_steps: int = 0,
+                 warmup_density: float = 0.25, values: str = "bf16"):
+        if values not in ("bf16", "int8"):
+            raise ValueError(f"values: expected 'bf16' or 'int8', got {values!r}")
+        self.values = values
+        self.density = _fraction("density", density)
+        self.chunk = _positive_int("chunk", chunk)
+        if self.chunk > msgfmt.MAX_TOPK_CHUNK:
+            raise ValueError(f"chunk: at most {msgfmt.MAX_TOPK_CHUNK}, got {chunk}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps: expected an int >= 0, got {warmup_steps!r}")
+        self.warmup_steps = warmup_steps
+        self.warmup_density = _fraction("warmup_density", warmup_density)
+
+    def density_at(self, step: int) -> float:
+        if step < self.warmup_steps and self.warmup_density > self.density:
+            return self.warmup_density * (self.density / self.warmup_density) ** (step / self.warmup_steps)
+        return self.density
+
+    def k(self, step: int) -> int:
+        """Entries sent per full chunk at ``step``."""
+        return min(self.chunk, max(1, math.ceil(self.density_at(step) * self.chunk - 1e-9)))
+
+    def words(self, n: int, step: int) -> int:
+        fmt = msgfmt.TOPK8 if self.values == "int8" else msgfmt.TOPK
+        return msgfmt.chunked_words(fmt, n, self.chunk, self.k(step))
+
+    def encode(self, update, residual, step):
+        return ops.encode_topk(update, residual, self.k(step), chunk=self.chunk, values=self.values)
+
+    def config(self):
+        return {"kind": "TopK", "density": self.density, "chunk": self.chunk, "warmup_steps": self.warmup_steps,
+                "warmup_density": self.warmup_density, "values": self.values}
+
+
+class Ternary(Compression):
+    """Send every element as -s, 0 or +s, one scale s per chunk: 2 bits per element (16x fewer bytes).
+
+    An entry is sent when |u| >= ``fraction`` * mean|u| of its chunk (u: accumulated update); s is the mean
+    |u| of the entries sent, so what arrives has the right size on average and the rest stays in the
+    residual. Leaving the small entries at 0 (rather than +-s, as 1-bit sign schemes do) keeps them from
+    oscillating around zero.
+    """
+
+    name = "ternary"
+
+    def __init__(self, fraction: float = 0.5, *, chunk: int = DEFAULT_CHUNK):
+        self.fraction = _fraction("fraction", fraction, high=64.0)
+        self.chunk = _positive_int("chunk", chunk)
+        if self.chunk % 16:
+            raise ValueError(f"chunk: must be a multiple of 16, got {chunk}")
+
+    def words(self, n: int, step: int) -> int:
+        return msgfmt.ternary_words(n, self.chunk)
+
+    def encode(self, update, residual, step):
+        return ops.encode_ternary(update, residual, self.fraction, chunk=self.chunk)
+
+    def config(self):
+        return {"kind": "Ternary", "fraction": self.fraction, "chunk": self.chunk}
+
+
+class Strom(Compression):
+    """DL4J's threshold encoding: entries of the accumulated update that reach tau are sent as +-tau.
+
+    ``threshold``: Fixed(tau) or Adaptive(...) (one clone per bucket); ``clipping``: DL4J's residual
+    clipping (ResidualClipping) or None.
+    """
+
+    name = "strom"
+
+    def __init__(self, threshold: Union[Threshold, float, None] = None,
+                 clipping: Optional[ResidualClipping] = None):
+        self.threshold = as_threshold(threshold).clone()
+        self.clipping = copy.deepcopy(clipping)
+
+    @property
+    def tau(self) -> float:
+        return self.threshold.tau
+
+    def words(self, n: int, step: int) -> None:
+        return None
+
+    def encode(self, update, residual, step):
+        clip = self.clipping.factor(step) if self.clipping is not None else None
+        return ops.encode(update, residual, self.threshold.tau, clip=clip, on_nonfinite="flag")
+
+    def observe(self, count: int, n: int, message_format: int) -> None:
+        self.threshold.observe(count, n, message_format)
+
+    def config(self):
+        return {"kind": "Strom", "threshold": repr(self.threshold), "clipping": repr(self.clipping)}
+
+    def state_dict(self):
+        return {"threshold": self.threshold.state_dict(),
+                "clipping": None if self.clipping is None else self.clipping.state_dict()}
+
+    def load_state_dict(self, state):
+        self.threshold.load_state_dict(state["threshold"])
+        if self.clipping is not None and state.get("clipping") is not None:
+            self.clipping.load_state_dict(state["clipping"])
+
+    def __repr__(self) -> str:
+        return f"Strom({self.threshold!r}, clipping={self.clipping!r})"
+
+
+# --------------------------------------------------------------------------------------- the default
+SGD_LIKE = (torch.optim.SGD, torch.optim.ASGD)
+ADAPTIVE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+            torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop)
+_warned: set = set()
+
+
+def for_optimizer(optimizer: Optional[torch.optim.Optimizer]) -> Compression:
+    """The default for ``optimizer``: TopK(0.01) for SGD-like ones, Ternary() for adaptive ones and, after a
+    warning (once per class), for classes gradshare does not know. None (no optimizer known): TopK(0.01)."""
+    if optimizer is None or isinstance(optimizer, SGD_LIKE):
+        return TopK()
+    if isinstance(optimizer, ADAPTIVE):
+        return Ternary()
+    name = type(optimizer).__name__
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(f"gradshare: {name} is not an optimizer gradshare knows; assuming its updates are like "
+                      "Adam's (entries of similar size) and sharing them ternary-coded, 16x smaller than float32. "
+                      "Pass compression=gradshare.TopK(...) or gradshare.Ternary(...) to choose.",
+                      UserWarning, stacklevel=3)
+    return Ternary()
+
+
+def as_compression(value: Union[Compression, Threshold, float, str, None],
+                   clipping: Optional[ResidualClipping] = None) -> Optional[Compression]:
+    """A Compression from what a user passes: a Compression as is; a Fixed / Adaptive threshold (or a float
+    tau) as Strom; a TargetSparsity(target) as TopK(density=target) (its fixed traffic budget, now with
+    values); None or "auto" -> None (the caller picks with for_optimizer)."""
+    if value is None or (isinstance(value, str) and value == "auto"):
+        return None
+    if isinstance(value, Compression):
+        return value.clone()
+    if isinstance(value, TargetSparsity):
+        return TopK(density=value.target, warmup_steps=value.warmup_steps,
+                    warmup_density=max(value.warmup_density, value.target))
+    if isinstance(value, (Fixed, Adaptive, Threshold, int, float)) and not isinstance(value, bool):
+        return Strom(value, clipping)
+    raise TypeError(f"compression: expected TopK, Ternary, a threshold (Fixed, Adaptive, TargetSparsity), a "
+                    f"float tau or 'auto', got {type(value).__name__}")

@@ -1,0 +1,119 @@
+"""Joining and leaving a torch.distributed process group so that no collective outlives the interpreter.
+
+Every process that gradshare starts or runs (``python -m gradshare.cluster`` under torchrun or Spark, the
+local workers of ParallelWrapper and ``gradshare train``) joins its group with :func:`init_process_group`
+and leaves it with :func:`destroy_process_group`.
+
+Why this needs care: a gloo process group runs its collectives on native worker threads. When one of
+them drops the last reference to a finished collective, it frees that collective's tensors, which needs
+the GIL. Once the interpreter has begun to shut down, a thread asking for the GIL is ended with
+``pthread_exit``, which unwinds through a ``noexcept`` frame: ``std::terminate``, "terminate called
+without an active exception", exit status -6 after a job that finished. The threads are joined only
+when the group itself is freed, and ``dist.destroy_process_group()`` frees it only if nothing else still
+references it. Two things did:
+
+- ``torch.distributed.nn.functional`` declares its ten collectives with ``group=group.WORLD`` defaults,
+  evaluated when the module is first imported. ``torch._dynamo`` imports it, and DDP imports
+  ``torch._dynamo`` in its constructor, so a DDP model built after ``init_process_group`` pinned the
+  default group for the life of the process. Importing that module *before* joining makes those
+  defaults ``None`` (no group exists yet), which is what they mean anyway.
+- gradshare's own exchange channels kept a private payload group (gradshare.comm.Channel); they now hold
+  it weakly.
+
+The rendezvous store that rank 0 serves listens on the rendezvous address only (:func:`serving_store`),
+not on every interface of the host as torch's own does.
+
+:func:`destroy_process_group` then checks that the backend's threads really ended and warns, naming the
+likely cause, when something (a user object holding a group) still keeps one alive.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import time
+import warnings
+from datetime import timedelta
+from typing import List
+
+import torch.distributed as dist
+
+# Native thread names of a gloo process group: its collective workers and its transport loop.
+GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
+
+
+def _import_before_joining() -> None:
+    # Evaluates torch.distributed.nn.functional's `group=group.WORLD` defaults while no group exists.
+    import torch.distributed.nn.functional  # noqa: F401
+
+
+def serving_store(host: str, port: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """A TCPStore server that listens on ``host``'s address only (torch's own listens on every interface), on
+    ``port`` (0: a free one; the store's ``port`` tells which)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(512)
+        store = dist.TCPStore(host, sock.getsockname()[1], world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()          # the store owns the descriptor now and closes it itself
+    return store
+
+
+def init_process_group(backend: str, *, rank: int, world_size: int, timeout: timedelta, store=None) -> None:
+    """``dist.init_process_group`` after the imports that would otherwise pin the group. Without ``store``, the
+    rendezvous is MASTER_ADDR:MASTER_PORT from the environment, served by rank 0 on that address only."""
+    _import_before_joining()
+    if store is None:
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        if rank == 0:
+            store = serving_store(host, port, world_size, timeout)
+        else:
+            store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def backend_threads() -> List[str]:
+    """Names of this process's live gloo threads (Linux; an empty list where /proc is not available)."""
+    names = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return names
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if name in GLOO_THREADS:
+            names.append(name)
+    return names
+
+
+def destroy_process_group(wait: float = 5.0) -> List[str]:
+    """Destroys every group (``dist.destroy_process_group()``) and waits until the backend threads ended.
+
+    Returns the names of gloo threads still alive after ``wait`` seconds (an empty list when all ended)
+    and warns when there are any: something still references a process group, and the interpreter may
+    abort at exit.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # groups referenced only from reference cycles (a model wrapped in DDP) are freed here
+    deadline = time.monotonic() + wait
+    left = backend_threads()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.01)
+        left = backend_threads()
+    if left:
+        warnings.warn(f"{len(left)} gloo thread(s) still alive after destroy_process_group(): an object still "
+                      "holds a process group (for example a module imported after init_process_group that "
+                      "keeps dist.group.WORLD, or a group stored in a global). The process may abort "
+                      "(SIGABRT) at exit.", RuntimeWarning, stacklevel=2)
+    return left

@@ -1,0 +1,340 @@
+"""The sharing core: one bucket's error-feedback exchange and one step of all of them, written once.
+
+SharedOptimizer (gradshare.optim) and the DDP hook (gradshare.hooks) hold a :class:`Sharing`: it owns the
+buckets' state (residual, the policy that encodes them, backups, optional velocity) and runs a step of
+them. The hook adds only DDP's bucket mapping and futures; SharedOptimizer only its modes.
+
+What is shared each step:
+
+- **updates** (the default when gradshare knows the optimizer): every rank runs the user's optimizer on
+  its own gradient; the change that step made to the parameters is encoded with error feedback, and every
+  rank puts its parameters back and applies the same decoded mean of all ranks' changes. The optimizer
+  is the user's, unchanged: its learning rate, momentum (Nesterov too), weight decay, Adam moments and
+  any scheduler act as they would alone, on the local gradient, and what is shared is what it decided.
+  For SGD with momentum this is Deep Gradient Compression's momentum correction (the residual
+  accumulates velocity-driven updates, not raw gradients); for Adam it avoids feeding the second moment
+  gradients that arrive in rare large bursts. Optimizer state stays local (it differs between ranks);
+  parameters stay bitwise identical. With plain or momentum SGD and nothing held back, the mean of the
+  ranks' updates is exactly the synchronous step.
+- **gradients**: each rank's gradient is encoded with error feedback and replaced by the decoded mean
+  before the optimizer runs (the same on every rank); what a DDP hook does when it cannot see the optimizer.
+
+Error feedback: the residual holds what was not sent yet; the policy (gradshare.compression) decides what
+to send of residual + update. Non-finite values (``nonfinite``): "raise" stops every rank with
+NonFiniteStepError; "skip" drops the step on every rank and restores residuals, velocities and (updates)
+parameters exactly.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from gradshare.comm import ExchangeResult, NonFiniteStepError, exchange_async, zero_sent
+from gradshare.compression import Compression, as_compression, for_optimizer
+from gradshare.stats import Statistics, StepRecord, residual_norm
+
+NONFINITE = ("raise", "skip")
+REDUCE = ("mean", "sum")
+
+
+class Bucket:
+    """One group of parameters exchanged as one flat float32 buffer, and its sharing state."""
+
+    def __init__(self, index: int, params: Sequence[torch.Tensor], compression: Compression):
+        self.index = index
+        self.params = list(params)          # strong references keep ids used as keys valid
+        self.numels = [p.numel() for p in self.params]
+        self.offsets, off = [], 0
+        for k in self.numels:
+            self.offsets.append(off)
+            off += k
+        self.n = off
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.residual = torch.zeros(self.n, dtype=torch.float32, device=self.device)
+        self.compression = compression
+        self.backup: Optional[torch.Tensor] = None            # residual before the step ("skip")
+        self.velocity: Optional[torch.Tensor] = None          # momentum correction in gradshare (momentum=m)
+        self.velocity_backup: Optional[torch.Tensor] = None
+        self._flat: Optional[torch.Tensor] = None
+        self.snapshot: Optional[torch.Tensor] = None          # parameters before the local step (updates)
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """A float32 work buffer of the bucket's size."""
+        if self._flat is None:
+            self._flat = torch.empty(self.n, dtype=torch.float32, device=self.device)
+        return self._flat
+
+    def views(self, flat: torch.Tensor) -> Iterable[Tuple[torch.Tensor, torch.Tensor]]:
+        for p, o, k in zip(self.params, self.offsets, self.numels):
+            yield p, flat[o:o + k].view_as(p)
+
+    def gather_grads(self, out: torch.Tensor) -> torch.Tensor:
+        for p, v in self.views(out):
+            if p.grad is None:
+                v.zero_()
+            else:
+                v.copy_(p.grad)
+        return out
+
+    def gather_params(self, out: torch.Tensor) -> torch.Tensor:
+        for p, v in self.views(out):
+            v.copy_(p.detach())
+        return out
+
+    @torch.no_grad()
+    def set_params(self, flat: torch.Tensor) -> None:
+        for p, v in self.views(flat):
+            p.copy_(v)
+
+    def set_grads(self, flat: torch.Tensor) -> None:
+        for p, v in self.views(flat):
+            if p.grad is None:
+                p.grad = v.to(p.dtype).clone()
+            else:
+                p.grad.copy_(v)
+
+
+def group_parameters(params: Iterable[torch.Tensor], cap_mb: float) -> List[List[torch.Tensor]]:
+    """Parameters that need gradients, in order, into buckets of one device and dtype of at most ``cap_mb``
+    MiB of float32 each (a larger parameter gets a bucket of its own)."""
+    cap = max(1, int(cap_mb * 2**20 / 4))
+    seen, open_, done = set(), {}, []
+    for p in params:
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        key = (p.device, p.dtype)
+        cur = open_.setdefault(key, [])
+        if cur and sum(q.numel() for q in cur) + p.numel() > cap:
+            done.append(cur)
+            cur = open_[key] = []
+        cur.append(p)
+    done.extend(v for v in open_.values() if v)
+    return done
+
+
+class SharingFront:
+    """What the objects a user holds (ThresholdState, SharedOptimizer) read from their ``sharing`` core."""
+
+    sharing: "Sharing"
+
+    @property
+    def stats(self) -> Statistics:
+        """Per-step statistics of the exchanges (gradshare.stats)."""
+        return self.sharing.stats
+
+    @property
+    def step_skipped(self) -> bool:
+        """True when the last step was dropped on every rank (nonfinite="skip")."""
+        return self.sharing.step_skipped
+
+    @property
+    def compression(self) -> Compression:
+        """The policy every bucket encodes with (gradshare.compression)."""
+        return self.sharing.compression
+
+
+class Sharing:
+    """Error-feedback sharing of a set of buckets over a process group; one home for a bucket's step.
+
+    Args:
+        compression: a gradshare.compression policy (or a threshold, or None: the default for ``optimizer``,
+            gradshare.compression.for_optimizer), cloned for every bucket.
+        optimizer: the user's optimizer when known (picks the default compression).
+        process_group: the group to share over (None: the default group).
+        reduce: "mean" (default) or "sum" (DL4J) of the ranks' contributions.
+        nonfinite: "raise" or "skip" (module docstring).
+        fallback: "auto" / "never" / "always" dense allreduce (gradshare.comm).
+        stats: a Statistics to record into (default: a new one).
+        momentum: None, or m in [0, 1): keep a velocity u = m*u + g per bucket in gradshare and encode it
+            (Deep Gradient Compression's momentum correction with factor masking), for a momentum-free
+            optimizer in "gradients" mode. Not needed when updates are shared.
+        clipping: DL4J's residual clipping for Strom policies (ResidualClipping or None).
+    """
+
+    def __init__(self, compression: Any = None, *, optimizer: Optional[torch.optim.Optimizer] = None,
+                 process_group=None, reduce: str = "mean", nonfinite: str = "raise", fallback: str = "auto",
+                 stats: Optional[Statistics] = None, momentum: Optional[float] = None, clipping=None):
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite: expected 'raise' or 'skip', got {nonfinite!r}")
+        if reduce not in REDUCE:
+            raise ValueError(f"reduce: expected 'mean' or 'sum', got {reduce!r}")
+        if momentum is not None and not 0.0 <= float(momentum) < 1.0:
+            raise ValueError(f"momentum: expected None or a value in [0, 1), got {momentum}")
+        self.compression = as_compression(compression, clipping) or for_optimizer(optimizer)
+        self.process_group = process_group
+        self.reduce = reduce
+        self.nonfinite = nonfinite
+        self.fallback = fallback
+        self.momentum = None if momentum is None else float(momentum)
+        self.stats = stats if stats is not None else Statistics()
+        self.step = 0                  # steps completed (the policies' step: warm-up, clipping)
+        self.step_skipped = False
+        self.buckets: List[Bucket] = []
+
+    # ------------------------------------------------------------------------------------------ buckets
+    @property
+    def world_size(self) -> int:
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return dist.get_world_size(self.process_group)
+
+    def new_bucket(self, index: int, params: Sequence[torch.Tensor]) -> Bucket:
+        b = Bucket(index, params, self.compression.clone())
+        if self.nonfinite == "skip":
+            b.backup = torch.empty_like(b.residual)
+        if self.momentum is not None:
+            b.velocity = torch.zeros_like(b.residual)
+            if self.nonfinite == "skip":
+                b.velocity_backup = torch.empty_like(b.residual)
+        return b
+
+    def build(self, params: Iterable[torch.Tensor], cap_mb: float = 25.0) -> List[Bucket]:
+        """Buckets for ``params`` (gradshare.sharing.group_parameters); replaces the current ones."""
+        self.buckets = [self.new_bucket(i, ps) for i, ps in enumerate(group_parameters(params, cap_mb))]
+        return self.buckets
+
+    # --------------------------------------------------------------------------------- one bucket's step
+    def start(self, b: Bucket, update: torch.Tensor, out: torch.Tensor, name: str) -> torch.futures.Future:
+        """Starts bucket ``b``'s exchange of ``update`` (decoded mean into ``out``); a Future[ExchangeResult]."""
+        if b.velocity is not None:               # momentum correction: encode u = m*u + g
+            if b.velocity_backup is not None:
+                b.velocity_backup.copy_(b.velocity)
+            update = b.velocity.mul_(self.momentum).add_(update.view(-1))
+        return exchange_async(update, b.residual, encoder=b.compression, out=out, group=self.process_group,
+                              average=self.reduce == "mean", fallback=self.fallback, backup=b.backup,
+                              nonfinite=self.nonfinite, step=self.step, name=name)
+
+    def finish(self, results: Sequence[Tuple[Bucket, ExchangeResult]]) -> bool:
+        """Ends a step once all its exchanges are done: adapts thresholds, masks velocities and records
+        statistics, or, when any bucket was skipped, restores every bucket. Returns False when skipped."""
+        skipped = any(r.skipped for _, r in results)
+        want_norm = self.stats.wants_norm(self.step)
+        for b, r in results:
+            if skipped:
+                self.restore(b)
+            else:
+                b.compression.observe(r.count, r.n, r.message_format)
+                if b.velocity is not None:
+                    zero_sent(b.velocity, r)      # momentum factor masking
+            self.stats.add(StepRecord(step=self.step, bucket=b.index, n=r.n, tau=r.tau, count=r.count,
+                                      density=r.density, format="skipped" if skipped else r.format,
+                                      bytes_sent=r.bytes_sent, dense_bytes=r.dense_bytes,
+                                      residual_norm=residual_norm(b.residual) if (want_norm and not skipped)
+                                      else None))
+        self.step_skipped = skipped
+        if not skipped:
+            self.step += 1
+        self.stats.end_step()
+        return not skipped
+
+    @staticmethod
+    def restore(b: Bucket) -> None:
+        """Puts a bucket's residual and velocity back as they were before this step's exchange."""
+        if b.backup is not None:
+            b.residual.copy_(b.backup)
+        if b.velocity_backup is not None:
+            b.velocity.copy_(b.velocity_backup)
+
+    def run(self, items: Sequence[Tuple[Bucket, torch.Tensor, torch.Tensor]]) -> List[Tuple[Bucket, ExchangeResult]]:
+        """Exchanges (bucket, update, out) for every bucket (all launched, then all awaited); raises the first
+        error after every exchange has ended, so no collective is left in flight."""
+        futures = [(b, self.start(b, u, o, f"bucket {b.index}")) for b, u, o in items]
+        results, error = [], None
+        for b, f in futures:
+            try:
+                results.append((b, f.wait()))
+            except BaseException as e:  # noqa: BLE001  (wait for the rest before raising)
+                error = error or e
+        if error is not None:
+            raise error
+        return results
+
+    # ------------------------------------------------------------------------------ whole-step helpers
+    def share_gradients(self) -> bool:
+        """Replaces every bucket's gradients by the decoded mean. False when the step was skipped."""
+        items = [(b, b.gather_grads(b.flat), b.flat) for b in self.buckets]
+        if not self.finish(self.run(items)):
+            return False
+        for b in self.buckets:
+            b.set_grads(b.flat)
+        return True
+
+    def begin_updates(self) -> None:
+        """Before the optimizer's local step: remember every bucket's parameters."""
+        for b in self.buckets:
+            if b.snapshot is None:
+                b.snapshot = torch.empty(b.n, dtype=torch.float32, device=b.device)
+            b.gather_params(b.snapshot)
+
+    def share_updates(self) -> bool:
+        """After the optimizer's local step: shares each bucket's change and sets every rank's parameters to
+        (before - decoded mean change). False when the step was skipped (parameters restored)."""
+        items = []
+        for b in self.buckets:
+            delta = b.gather_params(b.flat)
+            torch.sub(b.snapshot, delta, out=delta)       # before - after: this rank's update
+            items.append((b, delta, delta))
+        try:
+            results = self.run(items)
+        except NonFiniteStepError:
+            self.restore_params()
+            raise
+        ok = self.finish(results)
+        for b in self.buckets:
+            if ok:
+                torch.sub(b.snapshot, b.flat, out=b.flat)   # before - mean update
+                b.set_params(b.flat)
+            else:
+                b.set_params(b.snapshot)
+        return ok
+
+    def grads_finite(self) -> bool:
+        """Whether every rank's gradients are all finite (one 1-element allreduce, the same answer on every rank)."""
+        dev = self.buckets[0].device if self.buckets else torch.device("cpu")
+        flags = [torch.isfinite(p.grad).all() for b in self.buckets for p in b.params if p.grad is not None]
+        bad = (~torch.stack(flags)).any().float().reshape(1).to(dev) if flags else torch.zeros(1, device=dev)
+        if self.world_size > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.process_group)
+        return bad.item() == 0
+
+    def skip_step(self) -> None:
+        """Records a step dropped before any exchange (every rank agreed its gradients were not finite)."""
+        self.step_skipped = True
+        self.stats.end_step()
+
+    def restore_params(self) -> None:
+        for b in self.buckets:
+            if b.snapshot is not None:
+                b.set_params(b.snapshot)
+
+    # ----------------------------------------------------------------------------------------- state
+    def state_dict(self) -> Dict[str, Any]:
+        """Residuals, velocities and policy state per bucket, the step counter and statistics totals."""
+        return {"step": self.step, "stats": self.stats.state_dict(),
+                "compression": self.compression.config(),
+                "buckets": [{"n": b.n, "residual": b.residual.detach().cpu().clone(),
+                             "velocity": None if b.velocity is None else b.velocity.detach().cpu().clone(),
+                             "compression": b.compression.state_dict()} for b in self.buckets]}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        saved = state["buckets"]
+        if len(saved) != len(self.buckets):
+            raise ValueError(f"load_state_dict: the checkpoint has {len(saved)} buckets, this one {len(self.buckets)} "
+                             "(the same parameters and bucket size are needed)")
+        for b, s in zip(self.buckets, saved):
+            if int(s["n"]) != b.n:
+                raise ValueError(f"load_state_dict: bucket {b.index} has {b.n} elements, the checkpoint {s['n']}")
+        for b, s in zip(self.buckets, saved):
+            b.residual.copy_(s["residual"])
+            b.compression.load_state_dict(s["compression"])
+            if b.velocity is not None:
+                b.velocity.zero_()
+                if s.get("velocity") is not None:
+                    b.velocity.copy_(s["velocity"])
+        self.step = int(state["step"])
+        self.stats.load_state_dict(state["stats"])
+        self.step_skipped = False

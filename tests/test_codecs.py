@@ -1,0 +1,368 @@
+"""The top-k and ternary ops: native kernels bit for bit against the pure-torch reference, error feedback,
+non-finite markers, and a decoder that refuses every malformed message without writing anything."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import gradshare
+from gradshare import MessageError, message as M, ops, reference as R
+from op_inputs import assert_bits_equal
+
+SIZES = [0, 1, 15, 16, 17, 255, 4095, 4096, 4097, 2 * 4096 + 1, 70001]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _state(n, dtype=torch.float32, seed=0, ties=True):
+    g = torch.Generator().manual_seed(seed)
+    update = (torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4).to(dtype)
+    residual = torch.randn(n, generator=g) * 0.01
+    if ties and n > 8:      # equal magnitudes, opposite signs, exact zeros and -0.0
+        update[3] = update[2]
+        residual[3] = residual[2]
+        update[5], residual[5] = -update[2], -residual[2]
+        update[6], residual[6] = 0.0, 0.0
+        update[7], residual[7] = -0.0, -0.0
+    return update, residual
+
+
+def _both(fn_native, fn_ref, update, residual, *args):
+    r1, r2 = residual.clone(), residual.clone()
+    m1, m2 = fn_native(update, r1, *args), fn_ref(update, r2, *args)
+    assert_bits_equal(m1, m2)
+    assert_bits_equal(r1, r2)
+    return m1, r1
+
+
+def _topk(u, r, k, chunk, values="bf16"):
+    return ops.encode_topk(u, r, k, chunk=chunk, values=values)
+
+
+def _ternary(u, r, f, chunk):
+    return ops.encode_ternary(u, r, f, chunk=chunk)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("chunk,k", [(16, 1), (16, 16), (64, 3), (4096, 0), (4096, 41), (4096, 4096), (65536, 655)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("values", ["bf16", "int8"])
+def test_topk_matches_reference(n, chunk, k, dtype, values):
+    update, residual = _state(n, dtype)
+    msg, kept = _both(_topk, R.encode_topk, update, residual, k, chunk, values)
+    fmt = M.TOPK if values == "bf16" else M.TOPK8
+    assert msg.numel() == M.chunked_words(fmt, n, chunk, k)
+    if n:
+        assert msg[1] == fmt and msg[3] == chunk and msg[4] == k
+    # Error feedback is exact: what was sent plus what is kept is u (as values: 0.0 + -0.0 is +0.0).
+    out = torch.zeros(n)
+    ops.decode(out, msg)
+    assert torch.equal(out + kept, residual + update.float())
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("chunk", [16, 64, 4096])
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0, 7.5])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ternary_matches_reference(n, chunk, fraction, dtype):
+    update, residual = _state(n, dtype)
+    msg, kept = _both(_ternary, R.encode_ternary, update, residual, fraction, chunk)
+    assert msg.numel() == M.ternary_words(n, chunk)
+    out = torch.zeros(n)
+    ops.decode(out, msg)
+    u = residual + update.float()
+    sent = out != 0
+    assert_bits_equal(kept[~sent], u[~sent])                 # what was not sent stays whole
+    assert_bits_equal(kept[sent], u[sent] - out[sent])        # and what was, is taken off exactly
+    assert int(msg[4]) == int(sent.sum())
+
+
+def test_int8_values_are_multiples_of_a_chunk_scale():
+    u = torch.tensor([0.5, -3.0, 2.0, 0.125, 3.0, -0.25, 1.0, -1.0])
+    r = torch.zeros(8)
+    msg = ops.encode_topk(u, r, 2, chunk=4, values="int8")   # scales 3/127 and 3/127
+    assert msg.numel() == M.topk8_words(8, 4, 2) == 5 + 2 * 3
+    out = torch.zeros(8)
+    ops.decode(out, msg)
+    s = torch.tensor(3.0) / 127
+    assert out.tolist() == [0.0, (-127 * s).item(), (round(2.0 / s.item()) * s).item(), 0.0,
+                            (127 * s).item(), 0.0, (round(1.0 / s.item()) * s).item(), 0.0]
+    assert torch.equal(out + r, u)   # what rounding left out stays in the residual
+
+
+def test_topk_picks_the_largest_per_chunk_with_values():
+    u = torch.tensor([0.5, -3.0, 2.0, 0.125, 3.0, -0.25, 1.0, -1.0])   # all exact in bfloat16
+    r = torch.zeros(8)
+    msg = ops.encode_topk(u, r, 2, chunk=4)   # chunks [0.5, -3, 2, 0.125] and [3, -0.25, 1, -1]
+    out = torch.zeros(8)
+    ops.decode(out, msg)
+    assert out.tolist() == [0.0, -3.0, 2.0, 0.0, 3.0, 0.0, 1.0, 0.0]   # 1.0 ties -1.0: the lower index wins
+    assert r.tolist() == [0.5, 0.0, 0.0, 0.125, 0.0, -0.25, 0.0, -1.0]
+
+
+def test_ternary_sends_plus_minus_the_mean_of_what_it_sends():
+    u = torch.tensor([4.0, -2.0, 0.5, 0.0] + [0.0] * 12)   # one chunk of 16; mean |u| = 6.5 / 16
+    r = torch.zeros(16)
+    msg = ops.encode_ternary(u, r, 1.0, chunk=16)           # sent: |u| >= 0.40625 -> 4, -2, 0.5
+    out = torch.zeros(16)
+    ops.decode(out, msg)
+    s = 6.5 / 3
+    assert out[:4].tolist() == pytest.approx([s, -s, s, 0.0])
+    assert r[:3].tolist() == pytest.approx([4 - s, -2 + s, 0.5 - s])
+
+
+@pytest.mark.parametrize("kind", ["topk", "topk8", "ternary"])
+def test_same_result_for_any_thread_count(kind):
+    update, residual = _state(300_000, seed=3)
+    results = []
+    for t in (1, 2, 3):
+        gradshare.set_num_threads(t)
+        r = residual.clone()
+        m = (ops.encode_ternary(update, r) if kind == "ternary" else
+             ops.encode_topk(update, r, 41, values="int8" if kind == "topk8" else "bf16"))
+        results.append((m, r))
+    gradshare.set_num_threads(2)
+    for m, r in results[1:]:
+        assert_bits_equal(m, results[0][0])
+        assert_bits_equal(r, results[0][1])
+
+
+@pytest.mark.parametrize("kind", ["topk", "ternary"])
+@pytest.mark.parametrize("n,where", [(1, [0]), (17, [16]), (3 * 4096 + 9, [2 * 4096 + 3, 4096 + 1])])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_gives_a_marker_of_the_same_length_and_keeps_the_residual(kind, n, where, bad):
+    update, residual = _state(n, ties=False)
+    for i in where:
+        update[i] = bad
+    r = residual.clone()
+    m = ops.encode_topk(update, r, 41) if kind == "topk" else ops.encode_ternary(update, r)
+    words = M.topk_words(n, 4096, 41) if kind == "topk" else M.ternary_words(n, 4096)
+    assert m.numel() == words and int(m[1]) == M.NONFINITE and int(m[3]) == min(where)
+    assert torch.equal(m[M.HEADER_WORDS:], torch.zeros(words - M.HEADER_WORDS, dtype=torch.int32))
+    assert_bits_equal(r, residual)
+    with pytest.raises(MessageError, match="non-finite marker"):
+        ops.decode(torch.zeros(n), m)
+
+
+def test_overflowing_sum_is_nonfinite_too():
+    update, residual = torch.full((32,), 3e38), torch.full((32,), 3e38)
+    r = residual.clone()
+    assert int(ops.encode_ternary(update, r, chunk=16)[1]) == M.NONFINITE
+    assert_bits_equal(r, residual)
+
+
+def test_bf16_rounding_never_overflows():
+    u = torch.tensor([3.4e38, -3.4e38, 1.0, 0.0])
+    r = torch.zeros(4)
+    msg = ops.encode_topk(u, r, 4, chunk=4)
+    out = torch.zeros(4)
+    ops.decode(out, msg)
+    assert torch.isfinite(out).all() and torch.isfinite(r).all()
+    assert torch.equal(out + r, u)
+
+
+@pytest.mark.parametrize("kind", ["topk", "ternary"])
+@pytest.mark.parametrize("scale", [1.0, 0.5, -1 / 3])
+def test_decode_of_several_rows_matches_reference(kind, scale):
+    rows = []
+    for seed in range(3):
+        update, residual = _state(10_000, seed=seed)
+        rows.append(ops.encode_topk(update, residual, 41) if kind == "topk" else ops.encode_ternary(update, residual))
+    rows = torch.stack(rows)
+    wide = torch.cat([rows, torch.randint(-9, 9, (3, 7), dtype=torch.int32)], dim=1)   # padded rows decode too
+    for r in (rows, wide):
+        d1 = torch.randn(10_000)
+        d2 = d1.clone()
+        ops.decode(d1, r, scale=scale)
+        R.decode(d2, r, scale)
+        assert_bits_equal(d1, d2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 3000), st.sampled_from([16, 48, 256, 1024]), st.floats(0.001, 1.0), st.integers(0, 2**31 - 1))
+def test_property_topk_error_feedback_is_exact(n, chunk, density, seed):
+    update, residual = _state(n, seed=seed)
+    k = max(1, min(chunk, int(density * chunk)))
+    msg, kept = _both(_topk, R.encode_topk, update, residual, k, chunk)
+    out = torch.zeros(n)
+    ops.decode(out, msg)
+    assert torch.equal(out + kept, residual + update)
+    # every chunk sent its share, and nothing it kept is larger than what it sent
+    for lo in range(0, n, chunk):
+        sent, left = out[lo:lo + chunk] != 0, kept[lo:lo + chunk].abs()
+        if sent.any() and (~sent).any():
+            assert left[~sent].max() <= (residual + update)[lo:lo + chunk].abs()[sent].min()
+
+
+# -------------------------------------------------------------------------------------------- hostile input
+def _valid(kind, n=10_000, seed=0):
+    update, residual = _state(n, seed=seed)
+    if kind == "topk8":
+        return ops.encode_topk(update, residual, 41, values="int8")
+    return ops.encode_topk(update, residual, 41) if kind == "topk" else ops.encode_ternary(update, residual)
+
+
+def _verdict(fn, n, msg):
+    dst = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    before = dst.clone()
+    try:
+        fn(dst, msg)
+    except (MessageError, ValueError) as e:
+        assert_bits_equal(dst, before)          # a refused message writes nothing
+        return "refused", str(e)
+    return "accepted", dst
+
+
+@pytest.mark.parametrize("kind", ["topk", "topk8", "ternary"])
+def test_fuzz_mutated_messages(kind):
+    """Each mutation is either refused by both decoders (dst untouched) or accepted by both, with one result."""
+    rng = np.random.default_rng(1)
+    base = _valid(kind)
+    n = 10_000
+    refused = accepted = 0
+    for trial in range(600):
+        msg = base.clone()
+        for _ in range(rng.integers(1, 4)):
+            i = int(rng.integers(0, msg.numel()))
+            how = rng.integers(0, 4)
+            if how == 0:
+                msg[i] = int(rng.integers(-2**31, 2**31, dtype=np.int64))
+            elif how == 1:                                     # flip one bit (as int32)
+                x = (int(msg[i]) & 0xFFFFFFFF) ^ (1 << int(rng.integers(0, 32)))
+                msg[i] = x - 2**32 if x >= 2**31 else x
+            elif how == 2:
+                msg[i] = msg[int(rng.integers(0, msg.numel()))]
+            else:
+                msg[int(rng.integers(0, 5))] = int(rng.choice([0, -1, 1, 16, 4096, 65536, n, n + 1, 2**31 - 1]))
+        a = _verdict(ops.decode, n, msg)
+        b = _verdict(lambda d, m: R.decode(d, m), n, msg)
+        assert a[0] == b[0], (trial, a, b)
+        if a[0] == "accepted":
+            assert_bits_equal(a[1], b[1])
+            accepted += 1
+        else:
+            refused += 1
+    assert refused > 100 and accepted > 10
+
+
+@pytest.mark.parametrize("kind", ["topk", "topk8", "ternary"])
+def test_truncated_rows_are_refused(kind):
+    msg = _valid(kind)
+    for cut in (0, 3, 5, msg.numel() // 2, msg.numel() - 1):
+        with pytest.raises((MessageError, ValueError)):
+            ops.decode(torch.zeros(10_000), msg[:cut] if cut else msg[:0].view(1, 0))
+
+
+def test_hostile_headers_are_refused():
+    n = 4096
+    topk, tern = _valid("topk", n), _valid("ternary", n)
+    cases = []
+    for field, value in ((2, n + 1), (3, 0), (3, 70000), (4, -1), (4, 4097)):
+        m = topk.clone()
+        m[field] = value
+        cases.append(m)
+    for field, value in ((3, 8), (3, 24), (4, n + 1), (4, -1)):
+        m = tern.clone()
+        m[field] = value
+        cases.append(m)
+    m = topk.clone()
+    m[5] = (0x7F80 << 16) | 3                                 # an infinite value
+    cases.append(m)
+    m = tern.clone()
+    m[5] = M.float_bits(-1.0)                                 # a negative scale
+    cases.append(m)
+    t8 = _valid("topk8", n)
+    for word, value in ((5, M.float_bits(float("inf"))), (6, 0x00050005),   # an infinite scale; repeated index
+                        (5 + 1 + 21, 0x80)):                                  # q = -128
+        m = t8.clone()
+        m[word] = value
+        cases.append(m)
+    for m in cases:
+        dst = torch.randn(n)
+        before = dst.clone()
+        with pytest.raises(MessageError):
+            ops.decode(dst, m)
+        assert_bits_equal(dst, before)
+
+
+def test_value_times_scale_overflow_is_refused():
+    u = torch.tensor([3e38] + [0.0] * 15)
+    msg = ops.encode_topk(u, torch.zeros(16), 1, chunk=16)
+    with pytest.raises(MessageError, match="overflows"):
+        ops.decode(torch.zeros(16), msg, scale=10.0)
+
+
+# -------------------------------------------------------------------------------------------- arguments
+@pytest.mark.parametrize("args,exc,pattern", [
+    ((10, 4096), None, None),
+    ((-1, 4096), ValueError, "k:"),
+    ((4097, 4096), ValueError, "k:"),
+    ((1.5, 4096), ValueError, "k:"),
+    ((1, 0), ValueError, "chunk"),
+    ((1, 70000), ValueError, "chunk"),
+    ((1, 16.0), TypeError, "chunk"),
+])
+def test_topk_argument_checks(args, exc, pattern):
+    u, r = torch.zeros(100), torch.zeros(100)
+    if exc is None:
+        ops.encode_topk(u, r, args[0], chunk=args[1])
+        return
+    with pytest.raises(exc, match=pattern):
+        ops.encode_topk(u, r, args[0], chunk=args[1])
+
+
+@pytest.mark.parametrize("fraction,chunk,exc,pattern", [
+    (-0.5, 4096, ValueError, "fraction"), (float("nan"), 4096, ValueError, "fraction"),
+    ("x", 4096, TypeError, "fraction"), (0.5, 24, ValueError, "multiple of 16"), (0.5, 8, ValueError, "chunk"),
+])
+def test_ternary_argument_checks(fraction, chunk, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        ops.encode_ternary(torch.zeros(100), torch.zeros(100), fraction, chunk=chunk)
+
+
+def test_update_residual_checks_apply():
+    with pytest.raises(ValueError, match="residual"):
+        ops.encode_topk(torch.zeros(10), torch.zeros(11), 1)
+    with pytest.raises(TypeError, match="residual"):
+        ops.encode_ternary(torch.zeros(10), torch.zeros(10, dtype=torch.float64))
+    u = torch.zeros(10)
+    with pytest.raises(ValueError, match="shares memory"):
+        ops.encode_topk(u, u, 1)
+
+
+@pytest.mark.parametrize("op,args", [
+    ("encode_topk", lambda u, r: (u, r, 7, 64, False)),
+    ("encode_topk", lambda u, r: (u, r, 7, 64, True)),
+    ("encode_ternary", lambda u, r: (u, r, 0.5, 64)),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck(op, args, dtype):
+    u, r = _state(300, dtype)
+    torch.library.opcheck(getattr(torch.ops.gradshare, op), args(u, r),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_compiled_encode_matches_eager():
+    u, r = _state(5000)
+
+    def f(u, r):
+        return ops.encode_topk(u, r, 41), ops.encode_ternary(u * 2, r.clone())
+
+    r1, r2 = r.clone(), r.clone()
+    a = f(u, r1)
+    b = torch.compile(f, backend="eager", fullgraph=False)(u, r2)
+    for x, y in zip(a, b):
+        assert_bits_equal(x, y)
+    assert_bits_equal(r1, r2)
+
+
+@pytest.mark.parametrize("kind,n", itertools.product(["topk", "ternary"], [1, 100]))
+def test_numpy_inputs(kind, n):
+    update, residual = _state(n)
+    u, r = update.numpy(), residual.numpy().copy()
+    m = ops.encode_topk(u, r, 1) if kind == "topk" else ops.encode_ternary(u, r)
+    r2 = residual.clone()
+    m2 = ops.encode_topk(update, r2, 1) if kind == "topk" else ops.encode_ternary(update, r2)
+    assert_bits_equal(torch.as_tensor(m), m2)
+    assert_bits_equal(torch.from_numpy(r), r2)

@@ -1,0 +1,80 @@
+"""A finished job exits 0: no process group, and so no gloo thread, outlives gradshare's teardown.
+
+A gloo thread still running when the interpreter shuts down is ended when it asks for the GIL (to free
+a finished collective's tensors), which aborts the process (SIGABRT) after training finished
+(gradshare.process_group explains the mechanism). The first test checks the cause directly: after
+``cluster.run`` returns, no gloo thread is left. The second checks the symptom: many short two-rank jobs,
+all started at once so that the machine is loaded, all exit 0.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gradshare.workers import free_port
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+SCRIPT = """
+import json, sys
+sys.path.insert(0, {here!r})
+import cluster_job
+from gradshare import cluster, process_group
+config = json.loads(sys.argv[1])
+out = cluster.run(getattr(cluster_job, config.pop("job", "train")), config)
+print("RESULT " + json.dumps({{"threads": process_group.backend_threads(), "steps": out["stats"]["steps"]}}))
+"""
+
+
+def _start_job(config, tag):
+    """Two plain processes (RANK/WORLD_SIZE set, no launcher) running cluster.run on cluster_job.train."""
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-c", SCRIPT.format(here=HERE), json.dumps(config)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return tag, procs
+
+
+def _finish(job, timeout=120):
+    tag, procs = job
+    results = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"job {tag}: a rank did not finish within {timeout} s")
+        line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        results.append((p.returncode, json.loads(line[-1][7:]) if line else None, out))
+    return results
+
+
+@pytest.mark.parametrize("config", [{"hook": False}, {"hook": True}, {"job": "exchange_once"}],
+                         ids=["ddp", "ddp+gradshare_hook", "exchange_async"])
+def test_cluster_run_leaves_no_gloo_thread_behind(config):
+    config = dict({"data": "synthetic", "steps": 5, "batch": 16}, **config)
+    expected_steps = 1 if config.get("job") == "exchange_once" else 5
+    for code, result, out in _finish(_start_job(config, "single")):
+        assert code == 0, out[-3000:]
+        assert result is not None and result["steps"] == expected_steps, out[-3000:]
+        assert result["threads"] == [], f"gloo threads outlived cluster.run: {result['threads']}"
+
+
+@pytest.mark.slow
+def test_many_short_jobs_all_exit_zero():
+    # 12 jobs of 2 ranks, 4 at a time on a small machine: the teardown races the scheduler.
+    config = {"data": "synthetic", "steps": 3, "batch": 16, "hook": True}
+    failures = []
+    for wave in range(3):
+        jobs = [_start_job(config, f"{wave}.{i}") for i in range(4)]
+        for job in jobs:
+            for code, result, out in _finish(job):
+                if code != 0 or result is None:
+                    failures.append(f"job {job[0]}: exit {code}\n{out[-1500:]}")
+    assert not failures, f"{len(failures)} of 24 ranks failed:\n" + "\n----\n".join(failures[:3])

@@ -1,0 +1,484 @@
+"""The sharing core through both front ends: the DDP hook (ThresholdState) and SharedOptimizer, each sharing
+updates (the optimizer is known) or gradients.
+
+Every property is checked on every (front end, mode): replicas stay bitwise identical, a checkpoint restores
+training exactly, a non-finite value stops every rank ("raise") or drops the step everywhere with all state
+unchanged ("skip"), and with one rank nothing is encoded.
+"""
+import pickle
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradshare
+from gradshare import (Adaptive, Fixed, SharedOptimizer, Ternary, ThresholdState, TopK,
+                       threshold_hook, verify_replicas)
+from gradshare.replicas import ReplicaMismatchError
+from gradshare.workers import run_local
+from tiny_model import batch as _batch, flat as _flat, net as _net, restore, snapshot
+
+SETUPS = [("hook", "updates"), ("hook", "gradients"), ("optimizer", "updates"), ("optimizer", "gradients")]
+IDS = [f"{f}-{m}" for f, m in SETUPS]
+
+
+class Run:
+    """One rank's training setup: model, the object that steps it, and gradshare's state."""
+
+    def __init__(self, front, mode, nonfinite="raise", compression=None, cap_mb=0.004, momentum=None):
+        self.front, self.mode = front, mode
+        self.model = _net()
+        sgd_momentum = 0.0 if momentum is not None else 0.9
+        inner = (torch.optim.Adam(self.model.parameters(), lr=1e-2) if mode == "updates" else
+                 torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=sgd_momentum))
+        if compression is None and mode == "gradients":
+            compression = TopK(0.05)
+        if front == "hook":
+            # A small bucket cap: DDP starts with one bucket and rebuilds into several after iteration 0.
+            self.net = DDP(self.model, bucket_cap_mb=cap_mb)
+            kwargs = dict(compression=compression, nonfinite=nonfinite, momentum=momentum)
+            if mode == "updates":
+                kwargs.update(optimizer=inner, bucket_cap_mb=cap_mb)
+            self.state = ThresholdState(**kwargs)
+            self.net.register_comm_hook(self.state, threshold_hook)
+            self.opt = inner
+            self.objects = (self.model, self.opt, self.state)
+        else:
+            self.net = self.model
+            self.state = self.opt = SharedOptimizer(inner, mode=mode, compression=compression, nonfinite=nonfinite,
+                                                    bucket_cap_mb=cap_mb, momentum=momentum)
+            self.objects = (self.model, self.opt)
+
+    @property
+    def sharing(self):
+        return self.state.sharing
+
+    def residuals(self):
+        """Every residual, in a fixed order (a copy)."""
+        if self.front == "hook" and self.mode == "gradients":
+            res = self.state.state_dict()["residuals"]
+            return [res[k].clone() for k in sorted(res)]
+        return [b.residual.clone() for b in self.sharing.buckets]
+
+    def step(self, x, y):
+        loss = F.cross_entropy(self.net(x), y)
+        self.opt.zero_grad()
+        loss.backward()
+        if self.front == "hook" and self.mode == "gradients":
+            if self.state.should_step():
+                self.opt.step()
+        else:
+            self.opt.step()
+
+
+def _train(front, mode, steps, start=0, ckpts=None, save_at=None, nonfinite="raise", bad=None, **kw):
+    warnings.simplefilter("ignore")
+    r = dist.get_rank()
+    run = Run(front, mode, nonfinite, **kw)
+    if ckpts is not None:
+        restore(ckpts[r], *run.objects)
+    saved, info = None, {}
+    for step in range(start, steps):
+        if step == save_at:
+            saved = snapshot(*run.objects)
+        x, y = _batch(r, step)
+        if bad is not None and step == bad[0] and r == bad[1]:
+            x[0, 0] = float("nan")
+        before, res_before = _flat(run.model), run.residuals()
+        opt_before = {id(p): {k: v.clone() for k, v in st.items() if torch.is_tensor(v)}
+                      for p, st in run.opt.state.items()}
+        run.step(x, y)
+        if run.sharing.step_skipped:
+            info["skipped_step"] = step
+            info["params_unchanged"] = np.array_equal(before, _flat(run.model))
+            info["residuals_unchanged"] = all(torch.equal(a, b) for a, b in zip(res_before, run.residuals()))
+            info["opt_state_unchanged"] = all(torch.equal(v, run.opt.state[p][k]) for p in run.opt.state
+                                              for k, v in opt_before.get(id(p), {}).items())
+    verify_replicas(run.model)
+    return {"params": _flat(run.model), "saved": saved, "steps": run.sharing.step,
+            "buckets": len(run.sharing.buckets) if front == "optimizer" or mode == "updates" else len(run.state._buckets),
+            "stats": run.sharing.stats.state_dict(), "init": _flat(_net()),
+            "residuals": [t.numpy() for t in run.residuals()], **info}
+
+
+def _all_setups(steps):
+    return [_train(f, m, steps) for f, m in SETUPS]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_replicas_stay_bitwise_identical(world):
+    res = run_local(_all_setups, world, (40,), timeout=400)
+    for i, name in enumerate(IDS):
+        runs = [r[i] for r in res]
+        for r in runs:
+            assert np.array_equal(r["params"], runs[0]["params"]), name
+            assert r["steps"] == 40 and r["buckets"] >= 2, name
+        assert not np.array_equal(runs[0]["params"], runs[0]["init"]), name
+        assert 0 < runs[0]["stats"]["bytes_sent"] < runs[0]["stats"]["dense_bytes"], name
+        assert any(np.abs(x).sum() > 0 for x in runs[0]["residuals"]), name     # error feedback holds something
+
+
+def _resume_cap(front, mode):
+    # After a restart DDP's first iteration uses its initial bucket layout, so in gradients mode the chunks of
+    # that step cover other elements than before the save unless the model is one bucket (gradshare/hooks.py).
+    # Updates mode uses the optimizer's buckets and restores exactly whatever their size.
+    return 25.0 if (front, mode) == ("hook", "gradients") else 0.004
+
+
+def _save_all(steps, save_at):
+    return [_train(f, m, steps, save_at=save_at, cap_mb=_resume_cap(f, m)) for f, m in SETUPS]
+
+
+def _resume_all(steps, start, ckpts):
+    return [_train(f, m, steps, start=start, ckpts=ckpts[i], cap_mb=_resume_cap(f, m))
+            for i, (f, m) in enumerate(SETUPS)]
+
+
+@pytest.mark.slow
+def test_checkpoint_restores_training_exactly():
+    full = run_local(_save_all, 2, (40, 15), timeout=400)
+    ckpts = [[r[i]["saved"] for r in full] for i in range(len(SETUPS))]
+    resumed = run_local(_resume_all, 2, (40, 15, ckpts), timeout=400)
+    for a, b in zip(full, resumed):
+        for i, name in enumerate(IDS):
+            assert np.array_equal(a[i]["params"], b[i]["params"]), name
+            assert b[i]["steps"] == 40 and a[i]["stats"] == b[i]["stats"], name
+            assert a[i]["buckets"] >= (1 if _resume_cap(*SETUPS[i]) > 1 else 2), name
+            assert all(np.array_equal(u, v) for u, v in zip(a[i]["residuals"], b[i]["residuals"])), name
+
+
+def _nonfinite(front, mode):
+    out = {}
+    try:
+        _train(front, mode, 8, bad=(3, 1))
+        out["raise"] = None
+    except Exception as e:  # NonFiniteStepError; DDP re-raises a hook's error from backward as RuntimeError
+        out["raise"] = f"{type(e).__name__}: {e}"
+    out["skip"] = _train(front, mode, 10, nonfinite="skip", bad=(4, 0))
+    return out
+
+
+def _nonfinite_all():
+    return [_nonfinite(f, m) for f, m in SETUPS]
+
+
+@pytest.mark.slow
+def test_nonfinite_raises_everywhere_or_skips_with_state_unchanged():
+    res = run_local(_nonfinite_all, 2, timeout=400, collective_timeout=60)
+    for i, name in enumerate(IDS):
+        for r in (x[i] for x in res):
+            assert r["raise"] is not None and "step 3" in r["raise"] and "rank 1" in r["raise"], (name, r["raise"])
+            s = r["skip"]
+            assert s["skipped_step"] == 4, name
+            assert s["params_unchanged"] and s["residuals_unchanged"], name
+            if not (SETUPS[i] == ("hook", "gradients")):       # there the hook cannot keep opt.step() from running
+                assert s["opt_state_unchanged"], name
+            assert s["steps"] == 9, name
+            assert np.array_equal(s["params"], res[0][i]["skip"]["params"]), name
+
+
+def _one_cycle(opt):
+    # OneCycleLR moves the learning rate and the momentum every step: the optimizer reads both itself.
+    return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=8, cycle_momentum=True)
+
+
+def _uncompressed_updates_equal_sgd(front):
+    """Sharing updates with nothing held back (dense allreduce) is synchronous data-parallel SGD, with the
+    user's momentum, Nesterov, weight decay and a scheduler that changes lr and momentum every step."""
+    warnings.simplefilter("ignore")
+    r = dist.get_rank()
+    model = _net()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    if front == "hook":
+        net = DDP(model)
+        net.register_comm_hook(ThresholdState(optimizer=inner, fallback="always"), threshold_hook)
+        opt = inner
+    else:
+        net, opt = model, SharedOptimizer(inner, fallback="always")
+    sched = _one_cycle(inner)
+    ref = _net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    ref_sched = _one_cycle(ref_opt)
+    lrs = []
+    for step in range(8):
+        x, y = _batch(r, step)
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+        sched.step()
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        for p in ref.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        ref_opt.step()
+        ref_sched.step()
+        lrs.append((inner.param_groups[0]["lr"], inner.param_groups[0]["momentum"]) ==
+                   (ref_opt.param_groups[0]["lr"], ref_opt.param_groups[0]["momentum"]))
+    assert all(lrs)
+    return float(np.abs(_flat(model) - _flat(ref)).max())
+
+
+def _both_fronts_uncompressed():
+    return _uncompressed_updates_equal_sgd("hook"), _uncompressed_updates_equal_sgd("optimizer")
+
+
+@pytest.mark.slow
+def test_updates_without_compression_are_synchronous_sgd_with_momentum_and_scheduler():
+    for diffs in run_local(_both_fronts_uncompressed, 2, timeout=120):
+        assert max(diffs) < 1e-6
+
+
+def _default_front(front):
+    """(model, module to call, what to step) with gradshare's defaults for an SGD with momentum."""
+    model = _net()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if front == "hook":
+        net = DDP(model)
+        net.register_comm_hook(ThresholdState(optimizer=inner), threshold_hook)
+        return model, net, inner
+    return model, model, SharedOptimizer(inner)
+
+
+def _with_grad_scaler(front, bad_at=None):
+    """Updates mode under a GradScaler: returns the parameters and the scale after each step."""
+    warnings.simplefilter("ignore")
+    r = dist.get_rank()
+    model, net, opt = _default_front(front)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    scales = []
+    for step in range(6):
+        x, y = _batch(r, step)
+        if step == bad_at and r == 1:
+            x[0, 0] = float("inf")
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(net(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return _flat(model), scales
+
+
+def _scaled_and_plain():
+    out = {}
+    for front in ("hook", "optimizer"):
+        r = dist.get_rank()
+        model, net, opt = _default_front(front)
+        for step in range(6):
+            x, y = _batch(r, step)
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+        out[front] = (_flat(model), _with_grad_scaler(front)[0])
+    out["hook_inf"] = _with_grad_scaler("hook", bad_at=3)
+    return out
+
+
+@pytest.mark.slow
+def test_grad_scaler_changes_nothing_and_an_inf_skips_everywhere():
+    res = run_local(_scaled_and_plain, 2, timeout=180)
+    for r in res:
+        for front in ("hook", "optimizer"):
+            plain, scaled = r[front]
+            assert np.array_equal(plain, scaled), front    # what is shared is in unscaled units
+        params, scales = r["hook_inf"]
+        assert scales[3] == scales[2] / 2                  # rank 1's inf: every rank's scaler backs off
+        assert np.array_equal(params, res[0]["hook_inf"][0])
+
+
+def _one_rank():
+    """World size 1: the hook returns DDP's own result and SharedOptimizer steps the inner optimizer."""
+    warnings.simplefilter("ignore")
+    out = {}
+    for front in ("hook", "optimizer"):
+        model, ref = _net(), _net()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if front == "hook":
+            net = DDP(model)
+            state = ThresholdState(optimizer=inner)
+            net.register_comm_hook(state, threshold_hook)
+            opt = inner
+        else:
+            net, opt = model, SharedOptimizer(inner)
+            state = opt
+        ref_net, ref_opt = DDP(ref), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for step in range(5):
+            for n_, o_ in ((net, opt), (ref_net, ref_opt)):
+                x, y = _batch(0, step)
+                o_.zero_grad()
+                F.cross_entropy(n_(x), y).backward()
+                o_.step()
+        out[front] = (np.array_equal(_flat(model), _flat(ref)), state.stats.exchanges)
+    return out
+
+
+def test_one_rank_is_exactly_ddp_without_encoding():
+    out = run_local(_one_rank, 1, timeout=120)[0]
+    for front, (same, exchanges) in out.items():
+        assert same and exchanges == 0, front
+
+
+def test_hook_state_pickles_without_group_and_optimizer():
+    st = ThresholdState(compression=Adaptive(initial=0.5))
+    clone = pickle.loads(pickle.dumps(st))
+    assert clone.process_group is None and clone.mode == "gradients" and repr(clone.sharing.compression) == \
+        repr(st.sharing.compression)
+
+
+# -- defaults per optimizer --------------------------------------------------------------------------------
+def test_default_compression_follows_the_optimizer():
+    w = nn.Parameter(torch.zeros(3))
+    assert isinstance(SharedOptimizer(torch.optim.SGD([w], lr=0.1, momentum=0.9)).compression, TopK)
+    assert isinstance(SharedOptimizer(torch.optim.AdamW([w], lr=0.1)).compression, Ternary)
+    assert isinstance(ThresholdState(optimizer=torch.optim.Adam([w])).sharing.compression, Ternary)
+    assert isinstance(ThresholdState().sharing.compression, TopK)
+
+    class Mine(torch.optim.SGD):      # a subclass of a known optimizer is known
+        pass
+
+    assert isinstance(SharedOptimizer(Mine([w], lr=0.1)).compression, TopK)
+
+    class Unknown(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {})
+
+        def step(self, closure=None):
+            pass
+
+    gradshare.compression._warned.discard("Unknown")
+    with pytest.warns(UserWarning, match="Unknown is not an optimizer gradshare knows"):
+        assert isinstance(SharedOptimizer(Unknown([w])).compression, Ternary)
+
+
+def test_explicit_compression_and_legacy_names():
+    w = nn.Parameter(torch.zeros(3))
+    assert isinstance(SharedOptimizer(torch.optim.SGD([w], lr=0.1), compression=Ternary()).compression, Ternary)
+    tk = SharedOptimizer(torch.optim.SGD([w], lr=0.1), compression=gradshare.TargetSparsity(target=0.002)).compression
+    assert isinstance(tk, TopK) and tk.density == 0.002
+    strom = SharedOptimizer(torch.optim.SGD([w], lr=0.1), compression=Fixed(0.1)).compression
+    assert isinstance(strom, gradshare.Strom) and strom.tau == pytest.approx(0.1)
+    with pytest.warns(DeprecationWarning, match="compression"):
+        old = SharedOptimizer(torch.optim.SGD([w], lr=0.1), threshold=Adaptive())
+    assert isinstance(old.compression, gradshare.Strom)
+    with pytest.raises(TypeError, match="compression"):
+        SharedOptimizer(torch.optim.SGD([w], lr=0.1), compression="nonsense")
+    with pytest.raises(ValueError, match="momentum"):
+        ThresholdState(optimizer=torch.optim.SGD([w], lr=0.1), momentum=0.9)
+
+
+# -- momentum correction in gradshare (gradients mode) -----------------------------------------------------
+def _dgc(front, steps, start=0, ckpts=None, save_at=None):
+    return _train(front, "gradients", steps, start=start, ckpts=ckpts, save_at=save_at, momentum=0.9,
+                  compression=Adaptive(initial=2e-2, warmup_steps=10))
+
+
+def _dgc_save(steps, save_at):
+    return [_dgc(f, steps, save_at=save_at) for f in ("hook", "optimizer")]
+
+
+def _dgc_resume(steps, start, ckpts):
+    return [_dgc(f, steps, start=start, ckpts=ckpts[i]) for i, f in enumerate(("hook", "optimizer"))]
+
+
+@pytest.mark.slow
+def test_momentum_correction_keeps_replicas_identical_and_restores_exactly():
+    full = run_local(_dgc_save, 2, (40, 15), timeout=300)
+    ckpts = [[r[i]["saved"] for r in full] for i in range(2)]
+    resumed = run_local(_dgc_resume, 2, (40, 15, ckpts), timeout=300)
+    for i in range(2):
+        a, b = full[0][i], full[1][i]
+        assert np.array_equal(a["params"], b["params"]) and a["buckets"] >= 2
+        assert not np.array_equal(a["params"], a["init"])
+        for x, y in zip(full, resumed):
+            assert np.array_equal(x[i]["params"], y[i]["params"])
+            assert all(np.array_equal(u, v) for u, v in zip(x[i]["residuals"], y[i]["residuals"]))
+            if i == 1:   # the hook's resumed first iteration runs in DDP's initial single bucket: one exchange less
+                assert x[i]["stats"] == y[i]["stats"]
+
+
+class _Dot(nn.Module):
+    """loss = w . x: the gradient of w is exactly x."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x):
+        return (self.w * x).sum()
+
+
+def _masking_case(front):
+    """One 4-element parameter, Fixed tau 0.375, m 0.5, rank 0's gradient g, rank 1's zero, SGD lr 1."""
+    r = dist.get_rank()
+    model = _Dot()
+    kwargs = dict(compression=Fixed(0.375), clipping=None, momentum=0.5, fallback="never")
+    if front == "hook":
+        net = DDP(model)
+        state = ThresholdState(**kwargs)
+        net.register_comm_hook(state, threshold_hook)
+        opt = torch.optim.SGD(net.parameters(), lr=1.0)
+    else:
+        net = model
+        state = opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), mode="gradients", **kwargs)
+    g = torch.tensor([1.0, 0.125, 0.0, -0.5]) if r == 0 else torch.zeros(4)
+    out = []
+    for _ in range(2):
+        before = model.w.detach().clone()
+        opt.zero_grad()
+        net(g).backward()
+        opt.step()
+        b = next(iter(state._buckets.values())) if front == "hook" else state.sharing.buckets[0]
+        out.append({"applied": (before - model.w.detach()).tolist(), "velocity": b.velocity.tolist(),
+                    "residual": b.residual.tolist()})
+    return out
+
+
+def _masking_both():
+    return _masking_case("hook"), _masking_case("optimizer")
+
+
+@pytest.mark.slow
+def test_momentum_correction_masks_sent_elements():
+    for i in range(2):
+        r0, r1 = [x[i] for x in run_local(_masking_both, 2, (), timeout=120)]
+        # step 1: u = g; elements 0 and 3 reach tau = 0.375 and are sent; their velocity is zeroed
+        assert r0[0] == {"applied": [0.1875, 0.0, 0.0, -0.1875], "velocity": [0.0, 0.125, 0.0, 0.0],
+                         "residual": [0.625, 0.125, 0.0, -0.125]}
+        # step 2: u = 0.5 * u + g = [1, 0.1875, 0, -0.5]; residual + u = [1.625, 0.3125, 0, -0.625]
+        assert r0[1] == {"applied": [0.1875, 0.0, 0.0, -0.1875], "velocity": [0.0, 0.1875, 0.0, 0.0],
+                         "residual": [1.25, 0.3125, 0.0, -0.25]}
+        assert r1[1] == {"applied": [0.1875, 0.0, 0.0, -0.1875], "velocity": [0.0] * 4, "residual": [0.0] * 4}
+
+
+def test_momentum_correction_is_checked():
+    w = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="inner optimizer has momentum"):
+        SharedOptimizer(torch.optim.SGD([w], lr=0.1, momentum=0.9), mode="gradients", momentum=0.9)
+    with pytest.raises(ValueError, match="gradients"):
+        SharedOptimizer(torch.optim.SGD([w], lr=0.1), mode="updates", momentum=0.9)
+    with pytest.raises(ValueError, match="momentum"):
+        SharedOptimizer(torch.optim.SGD([w], lr=0.1), mode="gradients", momentum=1.0)
+
+
+def _replica_check():
+    r = dist.get_rank()
+    model = _net()
+    with torch.no_grad():
+        if r == 1:
+            model[2].bias[0] += 1.0
+    try:
+        verify_replicas(model)
+    except ReplicaMismatchError as e:
+        return e.name, e.ranks
+    return None
+
+
+@pytest.mark.slow
+def test_verify_replicas_names_the_parameter_that_differs():
+    assert run_local(_replica_check, 2, timeout=60) == [("2.bias", [1])] * 2
