@@ -43,7 +43,9 @@ constexpr int32_t kMagicVersion = 0x47530001;
 constexpr int64_t kHeaderWords = 5;
 constexpr int64_t kMaxElements = 2147483647;  // indices are signed 1-based int32
 
-enum Format : int32_t { kSparse = 0, kBitmap = 1, kNonFinite = 2, kTopK = 3, kTernary = 4, kTopK8 = 5 };
+// kFailed: a rank whose encoder raised (written and read in Python only; the decoder rejects it like any
+// format it does not decode).
+enum Format : int32_t { kSparse = 0, kBitmap = 1, kNonFinite = 2, kTopK = 3, kTernary = 4, kTopK8 = 5, kFailed = 6 };
 constexpr int64_t kMaxTopKChunk = 65536;  // local indices are 16 bits
 constexpr int64_t kMaxTernaryChunk = int64_t(1) << 30;
 // What the caller asks the encoder for; kAuto picks the smaller payload.

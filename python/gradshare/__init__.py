@@ -7,7 +7,8 @@ from gradshare.ops import MessageError, NonFiniteError
 from gradshare.thresholds import Adaptive, Fixed, ResidualClipping, TargetSparsity
 from gradshare.compression import Strom, Ternary, TopK
 from gradshare.stats import Statistics
-from gradshare.comm import NonFiniteStepError, exchange, exchange_async
+from gradshare.comm import ExchangeAbortedError, NonFiniteStepError, exchange, exchange_async
+from gradshare.sharing import ConfigurationMismatchError
 from gradshare.hooks import ThresholdState, threshold_hook
 from gradshare.optim import SharedOptimizer
 from gradshare.replicas import ReplicaMismatchError, verify_replicas
@@ -19,5 +20,5 @@ __version__ = "0.1.0"
 
 __all__ = ["build_info", "get_num_threads", "set_num_threads", "MessageError", "NonFiniteError", "__version__",
            "Adaptive", "Fixed", "ResidualClipping", "TargetSparsity", "TopK", "Ternary", "Strom", "Statistics", "NonFiniteStepError",
-           "exchange", "exchange_async", "ThresholdState", "threshold_hook", "SharedOptimizer",
+           "ExchangeAbortedError", "ConfigurationMismatchError", "exchange", "exchange_async", "ThresholdState", "threshold_hook", "SharedOptimizer",
            "ReplicaMismatchError", "verify_replicas", "ParameterAveraging", "SmallCNN", "ParallelWrapper"]

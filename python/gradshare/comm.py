@@ -46,7 +46,8 @@ import torch.distributed as dist
 
 from gradshare import message as msgfmt
 from gradshare import ops
-from gradshare.message import BITMAP, CHUNKED, FORMAT_NAMES, HEADER_WORDS, NONFINITE, SPARSE, TERNARY, TOPK, TOPK8
+from gradshare.message import (BITMAP, CHUNKED, FAILED, FORMAT_NAMES, HEADER_WORDS, NONFINITE, SPARSE, TERNARY, TOPK,
+                               TOPK8)
 from gradshare.ops import NonFiniteError
 
 META_WORDS = 4          # per rank in the lengths gather: words, format, n, count (or first bad index)
@@ -66,6 +67,17 @@ class NonFiniteStepError(NonFiniteError):
                   "here (use nonfinite='skip' to drop such steps instead)")
         self.index = indices[0] if indices else -1
         self.step, self.ranks, self.indices, self.name = step, list(ranks), list(indices), name
+
+
+class ExchangeAbortedError(RuntimeError):
+    """A rank's encoder raised during an exchange; raised on every rank at that exchange (on the rank that
+    failed, with its own exception as ``__cause__``), with every rank's residual as it was before."""
+
+    def __init__(self, step: Optional[int], ranks: List[int], name: str = "buffer", detail: str = ""):
+        where = f"step {step}" if step is not None else "exchange"
+        who = ", ".join(f"rank {r}" for r in ranks)
+        super().__init__(f"{where}, {name}: {who} could not encode its update{detail}; every rank stops here")
+        self.step, self.ranks, self.name = step, list(ranks), name
 
 
 @dataclass
@@ -173,18 +185,27 @@ class _Exchange:
             self.dense = self.world > 1 and (fallback == "always" or
                                              (fallback == "auto" and prefers_dense(self.fixed, self.n, self.world)))
 
-    # stage 1: encode locally; returns the lengths row (varying lengths) or None (fixed: no lengths round)
+    # stage 1: encode locally; returns the lengths row (varying lengths) or None (fixed: no lengths round).
+    # If the encoder raises, this rank sends a failed marker instead (so no rank waits for a message that
+    # never comes) and raises ExchangeAbortedError with every other rank once the gather is done.
     def encode(self) -> Optional[torch.Tensor]:
+        self.error: Optional[BaseException] = None
         if self.backup is not None:
             self.backup.copy_(self.residual)
         if self.dense:                                    # fixed-length policy past the crossover
             self.residual.add_(self.update)
             self.msg = None
             return None
-        self.msg = self.encoder.encode(self.update, self.residual, self.step)
-        if self.fixed is not None:
-            if self.msg.numel() != self.fixed:
+        try:
+            self.msg = self.encoder.encode(self.update, self.residual, self.step)
+            if self.fixed is not None and self.msg.numel() != self.fixed:
                 raise RuntimeError(f"{self.name}: encoder wrote {self.msg.numel()} words, expected {self.fixed}")
+        except Exception as e:  # noqa: BLE001  (every rank must reach the gather; raised after it)
+            self.error = e
+            if self.backup is not None:
+                self.residual.copy_(self.backup)
+            self.msg = msgfmt.failed_marker(self.n, self.device, self.fixed or HEADER_WORDS)
+        if self.fixed is not None:
             self.max_words = self.fixed
             return None
         meta = torch.empty(META_WORDS, dtype=torch.int64, device=self.msg.device)
@@ -203,6 +224,7 @@ class _Exchange:
         if len(set(ns)) != 1:
             raise ValueError(f"{self.name}: ranks exchange buffers of different sizes {ns}: every rank must "
                              "pass the same buffer layout")
+        self._check_failed()
         bad = [r for r, f in enumerate(self.formats) if f == NONFINITE]
         if bad:
             return self._nonfinite(bad, [self.counts[r] for r in bad])
@@ -214,6 +236,14 @@ class _Exchange:
         else:
             self.dense = prefers_dense(self.max_words, self.n, self.world)
         return None
+
+    def _check_failed(self) -> None:
+        failed = [r for r, f in enumerate(self.formats) if f == FAILED]
+        if failed:
+            if self.backup is not None:
+                self.residual.copy_(self.backup)
+            detail = f" ({type(self.error).__name__}: {self.error})" if self.error is not None else ""
+            raise ExchangeAbortedError(self.step, failed, self.name, detail) from self.error
 
     def _nonfinite(self, bad: List[int], indices: List[int]) -> ExchangeResult:
         if self.backup is not None:
@@ -259,9 +289,11 @@ class _Exchange:
             self.words = [self.fixed] * self.world
             self.formats = [h[1] for h in heads]
             self.counts = [_entries(h, self.n) for h in heads]
+            self._check_failed()
             bad = [r for r, f in enumerate(self.formats) if f == NONFINITE]
             if bad:
                 return self._nonfinite(bad, [heads[r][3] for r in bad])
+        ops.validate(rows, self.n, scale=scale)          # a rejected message leaves out as it was
         if self.out.dtype == torch.float32 and self.out.is_contiguous():
             dst = self.out.view(-1)
             dst.zero_()

@@ -90,9 +90,10 @@ class ThresholdState(SharingFront):
                         "bucket_cap_mb": bucket_cap_mb}
         self.sharing = Sharing(compression, optimizer=optimizer, process_group=process_group,
                                reduce="mean" if average else "sum", nonfinite=nonfinite, fallback=fallback,
-                               stats=stats, momentum=momentum, clipping=clip)
+                               stats=stats, momentum=momentum, clipping=clip,
+                               mode="updates" if optimizer is not None else "gradients")
         self.optimizer = optimizer
-        self.mode = "updates" if optimizer is not None else "gradients"
+        self.mode = self.sharing.mode
         self._init_runtime()
         # gradients mode: DDP's buckets, keyed by their parameters, and where each parameter lives
         self._buckets: Dict[tuple, Bucket] = {}
@@ -109,6 +110,7 @@ class ThresholdState(SharingFront):
     def _init_runtime(self) -> None:
         self._lock = threading.Lock()
         self._inflight: List[tuple] = []           # (bucket, future of ExchangeResult)
+        self._iteration: Optional[torch.futures.Future] = None   # gradients mode: this backward's outcome
         self._bad = None                           # updates mode: this backward's non-finite flag
         self._nonfinite_ranks: List[int] = []      # updates mode: ranks whose gradients were not finite
         self._saved_grads: Optional[list] = None
@@ -288,19 +290,44 @@ def threshold_hook(state: ThresholdState, bucket: dist.GradBucket) -> torch.futu
     if state.mode == "updates":
         return _updates_hook(state, bucket, buf)
     b = state.bucket_for(bucket.parameters(), buf)
-    fut = sh.start(b, buf, buf, f"DDP bucket {bucket.index()}")
+    with state._lock:
+        if state._iteration is None:              # completes when every bucket of this backward has
+            state._iteration = torch.futures.Future()
+        iteration = state._iteration
+    try:
+        fut = sh.start(b, buf, buf, f"DDP bucket {bucket.index()}")
+    except BaseException as e:
+        with state._lock:                         # this backward is over: nothing it started may stay applied
+            started, state._inflight, state._iteration = [x for x, _ in state._inflight] + [b], [], None
+        sh.abandon(started)
+        iteration.set_exception(e)
+        raise
     with state._lock:
         state._inflight.append((b, fut))
         if not bucket.is_last():
-            return fut.then(lambda f: f.value().out)
-        inflight, state._inflight = state._inflight, []
+            # Each bucket's result is released with the whole step's, so that when any bucket fails DDP
+            # sees the error only after every bucket has been put back (all or nothing).
+            return iteration.then(lambda done, fut=fut: _after(done, fut))
+        inflight, state._inflight, state._iteration = state._inflight, [], None
 
     def finish(all_done) -> torch.Tensor:
-        all_done.value()                          # raises the first bucket's error, if any
-        state._finish_iteration(inflight)
+        try:
+            for _, f in inflight:
+                f.value()                         # raises the first bucket's error, if any
+            state._finish_iteration(inflight)
+        except BaseException as e:
+            sh.abandon([x for x, _ in inflight])
+            iteration.set_exception(e)
+            raise
+        iteration.set_result(None)
         return fut.value().out
 
     return torch.futures.collect_all([f for _, f in inflight]).then(finish)
+
+
+def _after(done: torch.futures.Future, fut: torch.futures.Future) -> torch.Tensor:
+    done.value()                                  # the step's error, if any bucket failed
+    return fut.value().out
 
 
 def _updates_hook(state: ThresholdState, bucket, buf: torch.Tensor) -> torch.futures.Future:

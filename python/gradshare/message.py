@@ -29,7 +29,9 @@ is as long as every other's, so one all-gather moves them with no lengths round 
                       [-127, 127] (four per word, the first in the low byte); an entry is q * s. Unused halves
                       and bytes are zero. 3 bytes an entry instead of 4.
 
-A rank whose update was not finite sends a non-finite marker of the same length (zero payload).
+A rank whose update was not finite sends a non-finite marker of the same length (zero payload); a rank
+that could not encode at all (an exception in its encoder) sends a failed marker (format 6) likewise, so
+that every rank stops at the same exchange instead of waiting for it. Neither is ever decoded.
 """
 from __future__ import annotations
 
@@ -41,9 +43,9 @@ import torch
 MAGIC_VERSION = 0x47530001
 HEADER_WORDS = 5
 MAX_ELEMENTS = 2**31 - 1
-SPARSE, BITMAP, NONFINITE, TOPK, TERNARY, TOPK8 = 0, 1, 2, 3, 4, 5
+SPARSE, BITMAP, NONFINITE, TOPK, TERNARY, TOPK8, FAILED = 0, 1, 2, 3, 4, 5, 6
 FORMAT_NAMES = {SPARSE: "sparse", BITMAP: "bitmap", NONFINITE: "nonfinite", TOPK: "topk", TERNARY: "ternary",
-                TOPK8: "topk8"}
+                TOPK8: "topk8", FAILED: "failed"}
 CHUNKED = (TOPK, TERNARY, TOPK8)
 MAX_TOPK_CHUNK = 65536          # local indices are 16 bits
 # What encode() may be asked for; "auto" picks the smaller payload.
@@ -145,4 +147,11 @@ def nonfinite_marker(n: int, tau: float, index: int, device=None, words: int = H
     up to ``words`` (the fixed length of a top-k or ternary exchange; just the header otherwise)."""
     out = torch.zeros(max(words, HEADER_WORDS), dtype=torch.int32, device=device)
     out[:HEADER_WORDS] = torch.tensor(header(NONFINITE, n, index, tau), dtype=torch.int32)
+    return out
+
+
+def failed_marker(n: int, device=None, words: int = HEADER_WORDS) -> torch.Tensor:
+    """The message a rank sends when its encoder raised: header only, zero payload up to ``words``."""
+    out = torch.zeros(max(words, HEADER_WORDS), dtype=torch.int32, device=device)
+    out[:HEADER_WORDS] = torch.tensor(header(FAILED, n, 0, 0.0), dtype=torch.int32)
     return out

@@ -44,6 +44,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from gradshare.comm import NonFiniteStepError
 from gradshare.compression import Strom
 from gradshare.sharing import Sharing, SharingFront
 from gradshare.stats import Statistics
@@ -99,7 +100,7 @@ class SharedOptimizer(SharingFront, WrappedOptimizer):
         clip = ResidualClipping() if clipping is _DEFAULT else clipping
         self.sharing = Sharing(compression, optimizer=optimizer, process_group=process_group, reduce=reduce,
                                nonfinite=nonfinite, fallback=fallback, stats=stats, momentum=momentum,
-                               clipping=clip)
+                               clipping=clip, mode=mode)
         self.sharing.build((p for g in optimizer.param_groups for p in g["params"]), bucket_cap_mb)
 
     # -- gradshare state -------------------------------------------------------------------------------
@@ -132,7 +133,10 @@ class SharedOptimizer(SharingFront, WrappedOptimizer):
             if sh.share_gradients():
                 self.optimizer.step()
             return loss
-        if sh.nonfinite == "skip" and not sh.grads_finite():
+        bad = sh.nonfinite_ranks()
+        if bad:
+            if sh.nonfinite == "raise":
+                raise NonFiniteStepError(sh.step, bad, [-1] * len(bad), "gradients")
             sh.skip_step()
             return loss
         sh.begin_updates()

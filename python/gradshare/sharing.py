@@ -21,11 +21,23 @@ What is shared each step:
 
 Error feedback: the residual holds what was not sent yet; the policy (gradshare.compression) decides what
 to send of residual + update. Non-finite values (``nonfinite``): "raise" stops every rank with
-NonFiniteStepError; "skip" drops the step on every rank and restores residuals, velocities and (updates)
-parameters exactly.
+NonFiniteStepError; "skip" drops the step on every rank.
+
+All or nothing: a step either completes on every rank or changes no state. Whatever stops it (a
+non-finite value, a rank whose encoder raised, a message the decoder rejects, a failed or timed-out
+collective), every bucket's residual and velocity, the policies, the step counter and (updates) the
+parameters are put back bitwise as they were, and the error is raised on every rank that reaches it.
+
+Agreement: before a bucket's first exchange (and after DDP rebuilds its buckets) the ranks all-gather a
+32-byte digest of their configuration: gradshare's version, world size, mode, compression policy and its
+parameters, reduce / nonfinite / fallback / momentum, and the bucket's layout (shapes and dtypes in
+order). Ranks that differ raise ConfigurationMismatchError on every rank, naming each field and the
+values. Nothing is added to later steps.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -37,6 +49,10 @@ from gradshare.stats import Statistics, StepRecord, residual_norm
 
 NONFINITE = ("raise", "skip")
 REDUCE = ("mean", "sum")
+
+
+class ConfigurationMismatchError(RuntimeError):
+    """Ranks that share a bucket run different configurations (raised on every rank, naming what differs)."""
 
 
 class Bucket:
@@ -54,7 +70,9 @@ class Bucket:
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self.residual = torch.zeros(self.n, dtype=torch.float32, device=self.device)
         self.compression = compression
-        self.backup: Optional[torch.Tensor] = None            # residual before the step ("skip")
+        self.agreed = False                                   # configuration digest checked with every rank
+        self.in_step = False                                  # its exchange started and has not ended yet
+        self.backup: Optional[torch.Tensor] = None            # residual before the step (all-or-nothing)
         self.velocity: Optional[torch.Tensor] = None          # momentum correction in gradshare (momentum=m)
         self.velocity_backup: Optional[torch.Tensor] = None
         self._flat: Optional[torch.Tensor] = None
@@ -157,7 +175,8 @@ class Sharing:
 
     def __init__(self, compression: Any = None, *, optimizer: Optional[torch.optim.Optimizer] = None,
                  process_group=None, reduce: str = "mean", nonfinite: str = "raise", fallback: str = "auto",
-                 stats: Optional[Statistics] = None, momentum: Optional[float] = None, clipping=None):
+                 stats: Optional[Statistics] = None, momentum: Optional[float] = None, clipping=None,
+                 mode: str = "gradients"):
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite: expected 'raise' or 'skip', got {nonfinite!r}")
         if reduce not in REDUCE:
@@ -170,6 +189,7 @@ class Sharing:
         self.nonfinite = nonfinite
         self.fallback = fallback
         self.momentum = None if momentum is None else float(momentum)
+        self.mode = mode               # what the front end shares ("updates" / "gradients"): part of the agreement
         self.stats = stats if stats is not None else Statistics()
         self.step = 0                  # steps completed (the policies' step: warm-up, clipping)
         self.step_skipped = False
@@ -184,12 +204,10 @@ class Sharing:
 
     def new_bucket(self, index: int, params: Sequence[torch.Tensor]) -> Bucket:
         b = Bucket(index, params, self.compression.clone())
-        if self.nonfinite == "skip":
-            b.backup = torch.empty_like(b.residual)
+        b.backup = torch.empty_like(b.residual)
         if self.momentum is not None:
             b.velocity = torch.zeros_like(b.residual)
-            if self.nonfinite == "skip":
-                b.velocity_backup = torch.empty_like(b.residual)
+            b.velocity_backup = torch.empty_like(b.residual)
         return b
 
     def build(self, params: Iterable[torch.Tensor], cap_mb: float = 25.0) -> List[Bucket]:
@@ -197,16 +215,54 @@ class Sharing:
         self.buckets = [self.new_bucket(i, ps) for i, ps in enumerate(group_parameters(params, cap_mb))]
         return self.buckets
 
+    # ------------------------------------------------------------------------------------- agreement
+    def configuration(self, b: Bucket) -> Dict[str, Any]:
+        """What every rank sharing bucket ``b`` must agree on (module docstring)."""
+        from gradshare import __version__
+        return {"gradshare version": __version__, "world size": self.world_size, "mode": self.mode,
+                "compression": b.compression.config(), "reduce": self.reduce, "nonfinite": self.nonfinite,
+                "fallback": self.fallback, "momentum": self.momentum, "bucket": b.index,
+                "bucket layout": [f"{tuple(p.shape)} {str(p.dtype).replace('torch.', '')}" for p in b.params]}
+
+    def agree(self, b: Bucket) -> None:
+        """One all-gather of a digest of :meth:`configuration`; on a difference every rank gathers the full
+        configurations and raises ConfigurationMismatchError naming each field that differs."""
+        fields = self.configuration(b)
+        raw = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).digest()
+        mine = torch.frombuffer(bytearray(raw), dtype=torch.int64).to(b.device)
+        world = self.world_size
+        every = torch.empty(world * mine.numel(), dtype=torch.int64, device=b.device)
+        dist.all_gather_into_tensor(every, mine, group=self.process_group)
+        rows = every.view(world, -1).tolist()
+        if all(r == rows[0] for r in rows):
+            b.agreed = True
+            return
+        configs: List[Any] = [None] * world
+        dist.all_gather_object(configs, fields, group=self.process_group)
+        diffs = []
+        for key in fields:
+            values = [c.get(key) for c in configs]
+            other = next((r for r, v in enumerate(values) if v != values[0]), None)
+            if other is not None:
+                diffs.append(f"{key}: rank 0 has {values[0]!r}, rank {other} has {values[other]!r}")
+        raise ConfigurationMismatchError(
+            f"bucket {b.index}: the ranks run different configurations; " + "; ".join(diffs or ["(unknown)"]) +
+            ". Every rank must share the same model, optimizer setup and gradshare options.")
+
     # --------------------------------------------------------------------------------- one bucket's step
     def start(self, b: Bucket, update: torch.Tensor, out: torch.Tensor, name: str) -> torch.futures.Future:
         """Starts bucket ``b``'s exchange of ``update`` (decoded mean into ``out``); a Future[ExchangeResult]."""
+        if not b.agreed:
+            self.agree(b)
+        b.backup.copy_(b.residual)               # all or nothing: what restore() puts back
+        if b.velocity is not None:
+            b.velocity_backup.copy_(b.velocity)
+        b.in_step = True
         if b.velocity is not None:               # momentum correction: encode u = m*u + g
-            if b.velocity_backup is not None:
-                b.velocity_backup.copy_(b.velocity)
             update = b.velocity.mul_(self.momentum).add_(update.view(-1))
         return exchange_async(update, b.residual, encoder=b.compression, out=out, group=self.process_group,
-                              average=self.reduce == "mean", fallback=self.fallback, backup=b.backup,
-                              nonfinite=self.nonfinite, step=self.step, name=name)
+                              average=self.reduce == "mean", fallback=self.fallback, nonfinite=self.nonfinite,
+                              step=self.step, name=name)
 
     def finish(self, results: Sequence[Tuple[Bucket, ExchangeResult]]) -> bool:
         """Ends a step once all its exchanges are done: adapts thresholds, masks velocities and records
@@ -217,6 +273,7 @@ class Sharing:
             if skipped:
                 self.restore(b)
             else:
+                b.in_step = False
                 b.compression.observe(r.count, r.n, r.message_format)
                 if b.velocity is not None:
                     zero_sent(b.velocity, r)      # momentum factor masking
@@ -233,25 +290,40 @@ class Sharing:
 
     @staticmethod
     def restore(b: Bucket) -> None:
-        """Puts a bucket's residual and velocity back as they were before this step's exchange."""
-        if b.backup is not None:
-            b.residual.copy_(b.backup)
-        if b.velocity_backup is not None:
+        """Puts a bucket's residual and velocity back as they were before this step's exchange (a bucket
+        whose exchange did not start this step is left as it is)."""
+        if not b.in_step:
+            return
+        b.residual.copy_(b.backup)
+        if b.velocity is not None:
             b.velocity.copy_(b.velocity_backup)
+        b.in_step = False
 
     def run(self, items: Sequence[Tuple[Bucket, torch.Tensor, torch.Tensor]]) -> List[Tuple[Bucket, ExchangeResult]]:
         """Exchanges (bucket, update, out) for every bucket (all launched, then all awaited); raises the first
-        error after every exchange has ended, so no collective is left in flight."""
-        futures = [(b, self.start(b, u, o, f"bucket {b.index}")) for b, u, o in items]
-        results, error = [], None
+        error after every exchange has ended, so no collective is left in flight, with every bucket restored."""
+        futures, error = [], None
+        for b, u, o in items:
+            try:
+                futures.append((b, self.start(b, u, o, f"bucket {b.index}")))
+            except BaseException as e:  # noqa: BLE001  (a launch failed: wait for those launched, restore all)
+                error = e
+                break
+        results = []
         for b, f in futures:
             try:
                 results.append((b, f.wait()))
             except BaseException as e:  # noqa: BLE001  (wait for the rest before raising)
                 error = error or e
         if error is not None:
+            self.abandon([b for b, _, _ in items])
             raise error
         return results
+
+    def abandon(self, buckets: Iterable[Bucket]) -> None:
+        """After a failed step: every bucket's residual and velocity as before the step (all or nothing)."""
+        for b in buckets:
+            self.restore(b)
 
     # ------------------------------------------------------------------------------ whole-step helpers
     def share_gradients(self) -> bool:
@@ -280,7 +352,7 @@ class Sharing:
             items.append((b, delta, delta))
         try:
             results = self.run(items)
-        except NonFiniteStepError:
+        except BaseException:
             self.restore_params()
             raise
         ok = self.finish(results)
@@ -292,14 +364,16 @@ class Sharing:
                 b.set_params(b.snapshot)
         return ok
 
-    def grads_finite(self) -> bool:
-        """Whether every rank's gradients are all finite (one 1-element allreduce, the same answer on every rank)."""
+    def nonfinite_ranks(self) -> List[int]:
+        """The ranks whose gradients hold a NaN or Inf (an all-gather of one flag per rank: the same list on
+        every rank), checked before the optimizer's local step so that a step stopped for them changes
+        nothing, optimizer state included."""
         dev = self.buckets[0].device if self.buckets else torch.device("cpu")
         flags = [torch.isfinite(p.grad).all() for b in self.buckets for p in b.params if p.grad is not None]
         bad = (~torch.stack(flags)).any().float().reshape(1).to(dev) if flags else torch.zeros(1, device=dev)
-        if self.world_size > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.process_group)
-        return bad.item() == 0
+        every = torch.empty(self.world_size, device=dev)
+        dist.all_gather_into_tensor(every, bad, group=self.process_group)
+        return [r for r, x in enumerate(every.tolist()) if x > 0]
 
     def skip_step(self) -> None:
         """Records a step dropped before any exchange (every rank agreed its gradients were not finite)."""
