@@ -187,8 +187,12 @@ def test_local_launcher_with_checkpoints_matches_plain_local(tmp_path, capsys, l
 
 @pytest.mark.slow
 def test_torchrun_failure_is_reported_not_hidden(tmp_path, capfd):
-    # Every worker fails to read the data: torchrun exits non-zero and the command says so.
-    assert main(TINY + ["--launcher", "torchrun", "--data", f"mnist:{tmp_path}/missing", "--timeout", "120"]) == 1
+    # Every worker fails to read the data (files with the right names, not idx files: the command line's
+    # check passes, the workers' reads fail): torchrun exits non-zero and the command says so.
+    from gradshare.data import MNIST_FILES
+    for stem in MNIST_FILES:
+        (tmp_path / stem).write_bytes(b"not an idx file")
+    assert main(TINY + ["--launcher", "torchrun", "--data", f"mnist:{tmp_path}", "--timeout", "120"]) == 1
     err = capfd.readouterr().err
     assert "torchrun failed with exit code" in err
     assert "Traceback" in err  # the worker's own traceback reached the user

@@ -152,7 +152,8 @@ def prefers_dense(max_words: int, n: int, world: int) -> bool:
 # The stages
 # ---------------------------------------------------------------------------------------------------
 
-def _gather_fn():
+def all_gather_fn():
+    """torch's all-gather into one flat tensor under its current name (every gradshare all-gather uses it)."""
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -266,7 +267,7 @@ class _Exchange:
             row = torch.zeros(L, dtype=torch.int32, device=self.device)
             row[:self.msg.numel()] = self.msg
         self.rows = torch.empty(self.world * L, dtype=torch.int32, device=self.device)
-        return _gather_fn()(self.rows, row, group=group, async_op=async_op)
+        return all_gather_fn()(self.rows, row, group=group, async_op=async_op)
 
     # stage 4: decode into out
     def finish(self) -> ExchangeResult:
@@ -389,7 +390,7 @@ def exchange(update: torch.Tensor, residual: torch.Tensor, tau: Optional[float] 
                nonfinite, name)
     meta = ex.encode()
     if meta is not None:
-        _gather_fn()(ex.meta_all, meta, group=group)
+        all_gather_fn()(ex.meta_all, meta, group=group)
         skipped = ex.plan()
         if skipped is not None:
             return skipped
@@ -539,7 +540,7 @@ def exchange_async(update: torch.Tensor, residual: torch.Tensor, tau: Optional[f
             fail(e)
 
     try:
-        work = _gather_fn()(ex.meta_all, meta, group=group, async_op=True)
+        work = all_gather_fn()(ex.meta_all, meta, group=group, async_op=True)
     except BaseException:
         ch.launch(ticket, None)
         raise

@@ -43,6 +43,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from gradshare import comm
 from gradshare.comm import NonFiniteStepError
 from gradshare.sharing import Bucket, Sharing, SharingFront
 from gradshare.stats import Statistics
@@ -342,7 +343,7 @@ def _updates_hook(state: ThresholdState, bucket, buf: torch.Tensor) -> torch.fut
             return _done(buf)
         flag, state._bad = state._bad, None
     flags = torch.empty(dist.get_world_size(state.process_group), dtype=flag.dtype, device=flag.device)
-    work = dist.all_gather_into_tensor(flags, flag, group=state.process_group, async_op=True)
+    work = comm.all_gather_fn()(flags, flag, group=state.process_group, async_op=True)
 
     def agreed(f) -> torch.Tensor:
         f.value()

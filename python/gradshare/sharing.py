@@ -43,6 +43,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from gradshare import comm
 from gradshare.comm import ExchangeResult, NonFiniteStepError, exchange_async, zero_sent
 from gradshare.compression import Compression, as_compression, for_optimizer
 from gradshare.stats import Statistics, StepRecord, residual_norm
@@ -232,7 +233,7 @@ class Sharing:
         mine = torch.frombuffer(bytearray(raw), dtype=torch.int64).to(b.device)
         world = self.world_size
         every = torch.empty(world * mine.numel(), dtype=torch.int64, device=b.device)
-        dist.all_gather_into_tensor(every, mine, group=self.process_group)
+        comm.all_gather_fn()(every, mine, group=self.process_group)
         rows = every.view(world, -1).tolist()
         if all(r == rows[0] for r in rows):
             b.agreed = True
@@ -372,7 +373,7 @@ class Sharing:
         flags = [torch.isfinite(p.grad).all() for b in self.buckets for p in b.params if p.grad is not None]
         bad = (~torch.stack(flags)).any().float().reshape(1).to(dev) if flags else torch.zeros(1, device=dev)
         every = torch.empty(self.world_size, device=dev)
-        dist.all_gather_into_tensor(every, bad, group=self.process_group)
+        comm.all_gather_fn()(every, bad, group=self.process_group)
         return [r for r, x in enumerate(every.tolist()) if x > 0]
 
     def skip_step(self) -> None:
