@@ -57,7 +57,7 @@ class ThresholdState(SharingFront):
 
     Args:
         process_group: the group DDP reduces over (None: the default group).
-        compression: what is sent (gradshare.compression; default: chosen for ``optimizer``, TopK(0.01)
+        compression: what is sent (gradshare.compression; default: chosen for ``optimizer``, TopK()
             without one). DL4J's +-tau thresholds (Fixed, Adaptive) work too.
         clipping: DL4J's residual clipping for +-tau thresholds (default ResidualClipping() with them).
         nonfinite: "raise" or "skip" (see the module docstring).

@@ -16,7 +16,7 @@ Which mode:
   gradient (optimizer state identical on every rank). Suits SGD; Adam trains worse this way.
 
 What is sent (``compression``): by default the policy gradshare.compression.for_optimizer picks for the
-inner optimizer: TopK(0.01) for SGD, Ternary() for Adam-like optimizers. Pass a TopK, Ternary, or DL4J's
+inner optimizer: TopK() for SGD, Ternary() for Adam-like optimizers. Pass a TopK, Ternary, or DL4J's
 +-tau thresholds (Fixed, Adaptive; with ``clipping``) to choose.
 
 Sum or mean: DL4J SUMS the workers' updates, so its effective step grows with the number of workers and

@@ -60,7 +60,7 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=argtypes.integer(1), default=1,
                    help="torch threads for --measure (one core per worker)")
     p.add_argument("--density", type=argtypes.number(0, 1, low_open=True), default=1e-2,
-                   help="fraction of elements per gradshare message (TopK's default 0.01)")
+                   help="message size as a fraction of a float32 buffer (the SGD default TopK() is 0.015: 2%% of entries at 3 bytes)")
     p.add_argument("--powersgd-rank", type=argtypes.integer(1), default=2, help="PowerSGD's matrix rank")
     p.add_argument("--averaging-period", type=argtypes.integer(1),
                    help="fix the averaging period instead of suggesting one")
@@ -166,12 +166,13 @@ def suggest_compression(params: int, workers: int, link: cm.Link, compute: float
             f"(N > 2/d = {crossover:g}): gradshare falls back to the dense allreduce on those steps; "
             f"parameter averaging or fewer, larger workers suit this better"))
     elif fit >= ternary:
-        out.update(algorithm="ThresholdState(optimizer=opt) (TopK(0.01) for SGD, Ternary() for Adam)",
+        out.update(algorithm="ThresholdState(optimizer=opt) (TopK() for SGD, Ternary() for Adam)",
                    why="the defaults: even a ternary message (2 bits an element) costs <= 10% of compute on this link")
     elif fit >= 1e-2:
-        out.update(algorithm="ThresholdState(optimizer=opt) for SGD; compression=TopK(0.01) for Adam",
-                   why=f"TopK(0.01) fits in 10% of compute, Adam's ternary messages (density {ternary:g} worth) do "
-                       f"not; TopK trains Adam worse than Ternary (README, Training quality): consider averaging")
+        out.update(algorithm="ThresholdState(optimizer=opt, compression=gradshare.TopK(0.01))",
+                   why=f"TopK(0.01) (3 bytes an entry) fits in 10% of compute; the SGD default TopK() (2%) and Adam's "
+                       f"ternary messages (density {ternary:g} worth) do not. TopK trains Adam worse than Ternary "
+                       f"(README, Training quality): for Adam consider averaging")
     elif fit >= 1e-3:
         d = float(f"{fit:.1g}")
         d = d if d <= fit else fit
