@@ -21,6 +21,14 @@ the record of how the defaults were chosen: ``gradshare_ternary`` / ``gradshare_
 every workload), ``gradshare_gradients`` (the hook without ``optimizer=``: gradients shared),
 ``gradshare_strom`` (DL4J's +-tau with an Adaptive threshold, gradients shared: gradshare's former default)
 and ``single`` (one process alone, same batch per step: what sharing must beat).
+
+Local steps (gradshare.averaging.ParameterAveraging, no DDP; the model talks once every H steps):
+``avg_h5`` / ``avg_h20`` (parameters and optimizer state averaged), ``diloco_h20`` / ``diloco_h50``
+(pseudo-gradient averaged by all-reduce, outer Nesterov SGD lr 0.7 momentum 0.9, inner state local;
+``diloco_h20_m0``: outer lr 1 without momentum, i.e. parameters averaged, inner state local),
+``sparse_h20`` / ``sparse_h50`` (SparseLoCo-like: the pseudo-gradient's top 2% per chunk at 3 bytes an
+entry, decayed error feedback 0.9, the mean change applied as is) and ``la:EXPR`` (exploration: EXPR a
+ParameterAveraging keyword dict over gradshare's and torch's names).
 """
 from __future__ import annotations
 
@@ -37,7 +45,24 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 CONTENDERS = ("ddp", "powersgd", "gradshare", "gradshare_1e-2", "gradshare_1e-3", "gradshare_ternary",
-              "gradshare_topk", "gradshare_gradients", "gradshare_strom", "single")
+              "gradshare_topk", "gradshare_gradients", "gradshare_strom", "single",
+              "avg_h5", "avg_h20", "diloco_h20", "diloco_h50", "diloco_h20_m0", "sparse_h20", "sparse_h50")
+LOCAL_STEPS = {
+    "avg_h5": "dict(frequency=5)",
+    "avg_h20": "dict(frequency=20)",
+    "diloco_h20": "dict(frequency=20, outer_optimizer=nesterov(0.7, 0.9))",
+    "diloco_h50": "dict(frequency=50, outer_optimizer=nesterov(0.7, 0.9))",
+    "diloco_h20_m0": "dict(frequency=20, outer_optimizer=nesterov(1.0, 0.0))",
+    "sparse_h20": "dict(frequency=20, compression=TopK(0.02, warmup_steps=0), residual_decay=0.9)",
+    "sparse_h50": "dict(frequency=50, compression=TopK(0.02, warmup_steps=0), residual_decay=0.9)",
+}
+
+
+def nesterov(lr: float, momentum: float):
+    """An outer optimizer factory: Nesterov SGD (DiLoCo's)."""
+    import torch
+
+    return lambda ps: torch.optim.SGD(ps, lr=lr, momentum=momentum, nesterov=momentum > 0)
 DEFAULT_CONTENDERS = ("ddp", "powersgd", "gradshare", "gradshare_1e-2", "gradshare_1e-3", "single")
 
 
@@ -90,10 +115,21 @@ def rank_main(cfg: Dict) -> Dict:
     model = wl.model()
     n = sum(p.numel() for p in model.parameters())
     name = cfg["contender"]
-    net = DDP(model, bucket_cap_mb=math.ceil(4 * n / 2**20) + 1) if name == "powersgd" else DDP(model)
+    local = name in LOCAL_STEPS or name.startswith("la:")
+    if local:
+        net = model
+    else:
+        net = DDP(model, bucket_cap_mb=math.ceil(4 * n / 2**20) + 1) if name == "powersgd" else DDP(model)
     opt = wl.optimizer(net.parameters())
+    stepper = opt
     state = None
-    if name == "ddp":
+    if local:
+        import gradshare
+
+        expr = LOCAL_STEPS.get(name, name[3:])
+        kwargs = dict(eval(expr, dict(vars(gradshare), torch=torch, nesterov=nesterov)))
+        stepper = state = gradshare.ParameterAveraging(model, opt, **kwargs)
+    elif name == "ddp":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         net.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -134,7 +170,7 @@ def rank_main(cfg: Dict) -> Dict:
         opt.zero_grad(set_to_none=True)
         loss = data.loss(net(x), y)
         loss.backward()
-        opt.step()
+        stepper.step()
         sched.step()
         counter.on = False
         losses.append(float(loss.detach()))
@@ -143,7 +179,9 @@ def rank_main(cfg: Dict) -> Dict:
     out = {"rank": rank, "world": world, "params": n, "steps": wl.steps, "metric": metric,
            "train_loss": statistics.fmean(losses[-50:]), "bytes": counter.bytes,
            "dense_bytes": wl.steps * 2 * (world - 1) * 4 * n // world if world > 1 else 0, "seconds": seconds}
-    if state is not None:
+    if state is not None and local:
+        out["library_bytes"] = state.bytes_sent
+    elif state is not None:
         out["library_bytes"] = state.stats.bytes_sent
         out["formats"] = dict(state.stats.format_counts)
     return out
@@ -225,7 +263,7 @@ def main(argv=None) -> int:
     data_dir = args.data_dir or workloads.MNIST_DIR
     sep = ";" if ";" in args.contenders else ","      # gs:EXPR contenders hold commas: separate them with ;
     contenders = [c for c in args.contenders.split(sep) if c]
-    unknown = [c for c in contenders if c not in CONTENDERS and not c.startswith("gs:")]
+    unknown = [c for c in contenders if c not in CONTENDERS and not c.startswith(("gs:", "la:"))]
     if unknown:
         p.error(f"unknown contender(s) {unknown}; choose from {', '.join(CONTENDERS)}")
     os.makedirs(args.out, exist_ok=True)

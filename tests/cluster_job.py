@@ -7,7 +7,9 @@ Spark's local mode requires. ``config`` keys (all optional): data ("synthetic" o
 batch, lr, seed, train_size (training rows used), kill_at_step + kill_rank (SIGKILL that rank before that
 step on the first attempt only: torchrun's restart count is 0 and kill_once_file does not exist yet),
 hang_at_step (that rank stops answering instead), attempt_log (a file each rank appends the steps it
-executes to), step_sleep (seconds per step), hook (register gradshare's threshold hook on the DDP model).
+executes to), step_sleep (seconds per step), hook (register gradshare's threshold hook on the DDP model),
+local (local steps instead of DDP: a dict of gradshare.ParameterAveraging options frequency, outer_lr,
+outer_momentum, density, residual_decay; each rank checkpoints its own model, which differs mid-round).
 """
 import gzip
 import os
@@ -75,15 +77,29 @@ def train(config, ctx):
                                  config.get("train_size", 2048))
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Dropout(0.2), torch.nn.Linear(xtr.shape[1], int(ytr.max()) + 1))
-    ddp = DDP(model)
+    local = config.get("local")
+    ddp = model if local else DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+    if local:
+        import gradshare
+
+        outer = None
+        if local.get("outer_lr"):
+            m = local.get("outer_momentum", 0.9)
+            outer = lambda ps: torch.optim.SGD(ps, lr=local["outer_lr"], momentum=m, nesterov=m > 0)  # noqa: E731
+        opt = gradshare.ParameterAveraging(
+            model, opt, frequency=local.get("frequency", 5), outer_optimizer=outer,
+            compression=gradshare.TopK(local["density"], warmup_steps=0) if local.get("density") else None,
+            residual_decay=local.get("residual_decay", 1.0))
     if config.get("hook"):
         import gradshare
 
         ddp.register_comm_hook(gradshare.ThresholdState(optimizer=opt), gradshare.threshold_hook)
     torch.manual_seed(seed * 7919 + ctx.rank)  # dropout masks differ per rank; restored from checkpoints
     totals = {"steps": 0, "samples": 0, "steps_seen": []}
-    if ctx.restore(objects={"model": model, "optimizer": opt}):
+    shared, own = ({"model": model}, {"model": model, "optimizer": opt}) if local else \
+        ({"model": model, "optimizer": opt}, None)
+    if ctx.restore(objects=shared, rank_objects=own):
         totals = ctx.resumed.state["stats"]
     log = open(config["attempt_log"], "a") if config.get("attempt_log") else None
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -111,8 +127,7 @@ def train(config, ctx):
         done = step + 1
         if ctx.should_save(done):
             nxt = _batch_indices(xtr.shape[0], done, batch, 0, ctx.world_size, seed)
-            ctx.save(done, {"model": model, "optimizer": opt, "stats": totals,
-                            "epoch": nxt[1], "data_position": nxt[2]})
+            ctx.save(done, dict(shared, stats=totals, epoch=nxt[1], data_position=nxt[2]), own)
     if log:
         log.close()
     model.eval()

@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import gradshare
 from gradshare.averaging import ParameterAveraging, allreduce_bytes
 from gradshare.models import SmallCNN
 from gradshare.workers import run_local
@@ -139,11 +140,77 @@ def test_construction_broadcasts_rank0_parameters(results):
     assert [r["broadcast"] for r in results] == [True, True]
 
 
+def _nesterov(ps):
+    return torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def _dense_pseudo_gradient_equals_averaging():
+    # An outer SGD step of lr 1 on the mean change is the mean of the parameters (up to float rounding).
+    rank = dist.get_rank()
+    a, b = _model(), _model()
+    pa = ParameterAveraging(a, torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9), frequency=3,
+                            average_optimizer_state=False)
+    pb = ParameterAveraging(b, torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9), frequency=3,
+                            outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0))
+    _train(a, pa, rank, 6)
+    _train(b, pb, rank, 6)
+    return (_flat(a) - _flat(b)).abs().max().item(), pb.rounds, pb.bytes_sent, pa.bytes_sent
+
+
+def _sparse_pseudo_gradient(mid_round_resume):
+    # SparseLoCo-like: top-k of a decayed error-feedback pseudo-gradient, outer Nesterov, inner Adam.
+    rank = dist.get_rank()
+
+    def make():
+        m = _model()
+        inner = torch.optim.Adam(m.parameters(), lr=1e-2)
+        return m, inner, ParameterAveraging(m, inner, frequency=3, outer_optimizer=_nesterov,
+                                            compression=gradshare.TopK(0.05, warmup_steps=0), residual_decay=0.9)
+    model, inner, pa = make()
+    _train(model, pa, rank, 2)
+    before = _gather(_flat(model))
+    _train(model, pa, rank, 1)                                          # step 3: a round
+    after, state = _gather(_flat(model)), _gather(_flat(model, inner))
+    outer_state = _gather(torch.cat([st["momentum_buffer"].reshape(-1) for st in pa.outer.state.values()]))
+    residual = pa.sharing.buckets[0].residual.abs().sum().item()
+    out = {"differed": not torch.equal(before[0], before[1]), "same": torch.equal(after[0], after[1]),
+           "inner_local": not torch.equal(state[0], state[1]), "outer_same": torch.equal(*outer_state),
+           "residual": residual, "sent": pa.bytes_sent, "dense_round": allreduce_bytes(4 * after[0].numel(), 2)}
+    if mid_round_resume:
+        _train(model, pa, rank + 7, 1)                                  # one step into the next round
+        sd = {"model": copy.deepcopy(model.state_dict()), "pa": copy.deepcopy(pa.state_dict())}
+        _train(model, pa, rank + 9, 4)                                  # crosses a round
+        m2, _, pa2 = make()
+        m2.load_state_dict(sd["model"])
+        pa2.load_state_dict(sd["pa"])
+        _train(m2, pa2, rank + 9, 4)
+        out["resume_exact"] = torch.equal(_flat(model), _flat(m2)) and pa2.rounds == pa.rounds
+    return out
+
+
 def _all_checks():
     # One group runs every check (starting worker processes is the slow part).
     return {"bitwise_sgd": _bitwise_after_round("sgd"), "bitwise_adam": _bitwise_after_round("adam"),
             "frequency1": _frequency1_equals_gradient_averaging(5), "schedule": _schedule_and_options(),
-            "broadcast": _initial_broadcast()}
+            "broadcast": _initial_broadcast(), "dense_pseudo": _dense_pseudo_gradient_equals_averaging(),
+            "sparse_pseudo": _sparse_pseudo_gradient(True)}
+
+
+def test_outer_sgd_of_lr_1_on_the_dense_pseudo_gradient_is_parameter_averaging(results):
+    for diff, rounds, sent, classic_sent in [r["dense_pseudo"] for r in results]:
+        assert rounds == 2
+        assert diff < 1e-5
+        assert sent == classic_sent          # parameters only either way (no optimizer state averaged)
+
+
+def test_sparse_pseudo_gradient_keeps_replicas_identical_and_resumes_exactly(results):
+    for r in [r["sparse_pseudo"] for r in results]:
+        assert r["differed"] and r["same"], "parameters must be bitwise identical after a round"
+        assert r["inner_local"], "the inner optimizer's state stays on its rank"
+        assert r["outer_same"], "the outer optimizer's state is the same on every rank"
+        assert r["residual"] > 0, "what top-k did not send waits in the residual"
+        assert 0 < r["sent"] < r["dense_round"] / 5
+        assert r["resume_exact"]
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +227,32 @@ def test_single_process_without_group_and_argument_checks():
     assert not torch.equal(_flat(model), _flat(before))
     with pytest.raises(ValueError, match="frequency"):
         ParameterAveraging(model, torch.optim.SGD(model.parameters(), lr=0.1), frequency=0)
+
+
+def test_pseudo_gradient_on_one_process_and_argument_checks():
+    # One rank: nothing is sent; an outer optimizer still applies the rank's own change.
+    def run(**kw):
+        model = _model()
+        pa = ParameterAveraging(model, torch.optim.SGD(model.parameters(), lr=0.1), frequency=2, **kw)
+        _train(model, pa, 0, 4)
+        return _flat(model), pa
+    plain, _ = run()
+    sparse, pa = run(compression=gradshare.TopK(0.01, warmup_steps=0))
+    assert torch.equal(plain, sparse) and pa.rounds == 2 and pa.bytes_sent == 0
+    outer, pa = run(outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0, momentum=0.9))
+    assert pa.rounds == 2 and not torch.allclose(plain, outer)   # momentum 0.9 on the second round's change
+    lr1, _ = run(outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0))
+    assert torch.allclose(plain, lr1, atol=1e-6)
+    model = _model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="average_optimizer_state"):
+        ParameterAveraging(model, sgd, compression="dense", average_optimizer_state=True)
+    with pytest.raises(TypeError, match="callable"):
+        ParameterAveraging(model, sgd, outer_optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
+    with pytest.raises(ValueError, match="residual_decay"):
+        ParameterAveraging(model, sgd, compression="dense", residual_decay=0.0)
+    with pytest.raises(ValueError, match="pseudo-gradient"):
+        ParameterAveraging(model, sgd).load_state_dict(ParameterAveraging(model, sgd, compression="dense").state_dict())
 
 
 def _bitwise_on_cuda():

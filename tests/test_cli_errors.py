@@ -15,6 +15,8 @@ BAD = [
     ["train", "--batch-size", "1.5"], ["train", "--averaging-frequency", "0"], ["train", "--max-restarts", "-1"],
     ["train", "--checkpoint-every", "-5"], ["train", "--seed", "-1"], ["train", "--compression", "topk:2"],
     ["train", "--compression", "fixed:abc"], ["train", "--threshold", "fixed"], ["train", "--mode", "async"],
+    ["train", "--mode", "diloco", "--outer-lr", "nan"], ["train", "--mode", "diloco", "--outer-momentum", "1"],
+    ["train", "--mode", "sparse_local", "--residual-decay", "0"],
     PLAN + ["--bandwidth", "12xyz"], PLAN + ["--efficiency", "0"], PLAN + ["--efficiency", "1.5"],
     PLAN + ["--workers", "0"], ["plan", "--params", "-5", "--step-time", "10"],
     ["plan", "--params", "1e6x", "--step-time", "10"], ["plan", "--params", "0.5", "--step-time", "10"],
@@ -42,3 +44,12 @@ def test_bad_options_are_one_line_and_exit_2(argv, capsys):
 def test_parameter_counts_as_people_write_them(text, expected, capsys):
     assert main(["plan", "--params", text, "--step-time", "10", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["params"] == expected
+
+
+def test_version_is_the_package_version(capsys):
+    import gradshare
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"gradshare {gradshare.__version__}"
+    assert main(["info"]) == 0
+    assert json.loads(capsys.readouterr().out)["version"] == gradshare.__version__

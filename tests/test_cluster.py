@@ -149,6 +149,25 @@ def test_torchrun_restart_after_sigkill_resumes_from_checkpoint(tmp_path, refere
     assert kept == ["ckpt-000000080.pt", "ckpt-000000090.pt", "ckpt-000000100.pt"]
 
 
+# Local steps (DiLoCo outer Nesterov on a top-k error-feedback pseudo-gradient): a round every 4 steps, so the
+# step-70 checkpoint is taken mid-round, while the replicas differ.
+LOCAL_CONFIG = dict(FAULT_CONFIG, local={"frequency": 4, "outer_lr": 0.7, "outer_momentum": 0.9, "density": 0.25,
+                                         "residual_decay": 0.9})
+
+
+@pytest.mark.slow
+@needs_torchrun
+def test_torchrun_restart_after_sigkill_resumes_local_steps_exactly(tmp_path):
+    ref = run_local(cluster.run, 2, (cluster_job.train, LOCAL_CONFIG), timeout=120, collective_timeout=60)[0]
+    proc, out = _torchrun(tmp_path, dict(LOCAL_CONFIG, kill_at_step=75, kill_rank=1), max_restarts=2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "exitcode  : -9" in proc.stderr or "exitcode: -9" in proc.stderr
+    assert out["restart_count"] == 1 and out["resumed_from"] == 70
+    assert out["stats"]["steps_seen"] == list(range(100))
+    # bitwise: each rank's own model, inner momentum, residual, round start and outer momentum restored
+    assert out["params"] == ref["params"]
+
+
 @pytest.mark.slow
 @needs_torchrun
 def test_torchrun_dead_peer_without_restarts_fails_fast(tmp_path):

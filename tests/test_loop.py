@@ -1,5 +1,6 @@
 import copy
 import os
+import shutil
 
 import pytest
 import torch
@@ -67,6 +68,23 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(resumed_runs, mode):
 
 def _cluster_job(ckdir, opts):
     return cluster.run(train_job, opts, checkpoint_dir=ckdir, checkpoint_every=10)
+
+
+@pytest.mark.parametrize("mode", ["diloco", "sparse_local"])
+def test_local_steps_resume_from_a_mid_round_checkpoint_exactly(tmp_path, mode):
+    # a round every 3 steps (and at each epoch's end: 23 steps): the step-40 checkpoint is mid-round
+    opts = {"epochs": 2, "progress": False, "mode": mode, "averaging_frequency": 3}
+    full = run_local(_cluster_job, 2, (str(tmp_path / "full"), opts), timeout=300)[0]
+    shutil.copytree(tmp_path / "full", tmp_path / "resume")
+    kept = list_checkpoints(str(tmp_path / "resume"))
+    assert os.path.basename(kept[-1]) == "ckpt-000000040.pt"
+    for p in kept[:-1]:
+        os.remove(p)                                                           # keep step 40 only
+    again = run_local(_cluster_job, 2, (str(tmp_path / "resume"), opts), timeout=300)[0]
+    assert len(again["steps"]) == 46 - 40
+    assert [h["loss"] for h in again["history"]] == [h["loss"] for h in full["history"]]
+    assert again["history"][-1]["val_accuracy"] == full["history"][-1]["val_accuracy"]
+    assert full["history"][-1]["bytes_sent"] > 0 and full["history"][-1]["density"] is not None
 
 
 def test_train_job_under_cluster_run_checkpoints_and_resumes(tmp_path):

@@ -147,6 +147,12 @@ def test_arguments_are_checked_before_starting_workers():
         w.fit("cifar")
     with pytest.raises(ValueError, match="unknown metric"):
         w.evaluate("digits", metrics=("f1",))
+    with pytest.raises(TypeError, match="outer_optimizer: must be picklable"):
+        ParallelWrapper(SmallCNN(), ADAM, workers=1, mode="averaging", outer_optimizer=lambda ps: None)
+    outer = (torch.optim.SGD, {"lr": 0.7, "momentum": 0.9, "nesterov": True})
+    cfg = ParallelWrapper(SmallCNN(), ADAM, workers=1, mode="averaging", outer_optimizer=outer,
+                          residual_decay=0.9).config("digits")
+    assert cfg.outer_optimizer == outer and cfg.residual_decay == 0.9 and cfg.average_optimizer_state is None
 
 
 def test_default_workers():

@@ -368,6 +368,10 @@ def test_explicit_compression_and_legacy_names():
     assert isinstance(old.compression, gradshare.Strom)
     with pytest.raises(TypeError, match="compression"):
         SharedOptimizer(torch.optim.SGD([w], lr=0.1), compression="nonsense")
+    dense = SharedOptimizer(torch.optim.SGD([w], lr=0.1), compression="dense").compression
+    assert isinstance(dense, gradshare.Dense) and dense.words(10, 0) > 10     # always the all-reduce path
+    with pytest.raises(ValueError, match="all-reduce"):
+        dense.encode(torch.zeros(3), torch.zeros(3), 0)
     with pytest.raises(ValueError, match="momentum"):
         ThresholdState(optimizer=torch.optim.SGD([w], lr=0.1), momentum=0.9)
 

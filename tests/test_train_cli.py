@@ -11,6 +11,7 @@ from contextlib import redirect_stdout
 
 import numpy as np
 import pytest
+import torch
 
 from gradshare import checkpoint
 from gradshare.cli import main
@@ -87,6 +88,7 @@ def test_bad_option_combinations_are_rejected(capsys):
     assert main(["train", "--launcher", "torchrun", "--nnodes", "2"]) == 2  # multi-host needs a rendezvous
     assert main(["train", "--rdzv-endpoint", "h:1"]) == 2                  # torchrun options need torchrun
     assert main(["train", "--launcher", "torchrun", "--timeout", "0"]) == 2
+    assert main(["train", "--mode", "averaging", "--outer-lr", "0.7"]) == 2     # outer options need local steps
 
 
 def test_compression_specs_and_config():
@@ -104,6 +106,23 @@ def test_compression_specs_and_config():
     cfg = build_config({"data": "mnist:/somewhere", "mode": "averaging", "optimizer": "sgd", "lr": 0.1})
     assert cfg.model.image_size == 28 and cfg.mode == "averaging" and cfg.optimizer[1]["momentum"] == 0.9
     assert build_config({}).epochs == 12
+
+
+def test_local_steps_modes_build_parameter_averaging_options():
+    from gradshare import Adaptive, TopK
+
+    d = build_config({"mode": "diloco", "averaging_frequency": 20})
+    assert d.mode == "averaging" and d.averaging_frequency == 20 and d.compression is None
+    assert d.outer_optimizer == (torch.optim.SGD, {"lr": 0.7, "momentum": 0.9, "nesterov": True})
+    s = build_config({"mode": "sparse_local"})
+    assert s.outer_optimizer is None and s.residual_decay == 0.9
+    assert isinstance(s.compression, TopK) and s.compression.density == 0.02 and s.compression.warmup_steps == 0
+    s = build_config({"mode": "sparse_local", "compression": "topk:0.01", "outer_lr": 1.5, "residual_decay": 1.0})
+    assert s.compression.density == 0.01 and s.compression.warmup_steps == 0 and s.residual_decay == 1.0
+    assert s.outer_optimizer == (torch.optim.SGD, {"lr": 1.5, "momentum": 0.0, "nesterov": False})
+    assert isinstance(build_config({"mode": "diloco", "compression": "adaptive"}).compression, Adaptive)
+    plain = build_config({"mode": "averaging", "compression": "topk"})      # averaging ignores --compression
+    assert plain.compression is None and plain.outer_optimizer is None
 
 
 # ------------------------------------------------------------------------------------------- launchers

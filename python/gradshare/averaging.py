@@ -11,16 +11,35 @@ all-reduce (rather than all-gather + average) moves 2(W-1)/W of the buffer per r
 buffers and needs no W-fold memory; ring/tree all-reduce hands every rank the same reduced bits, and
 the scaling is the same local operation everywhere, so after a round all ranks hold bitwise-identical
 values (verified by the tests). Works on any process group (gloo on CPU, NCCL on CUDA).
+
+Local steps with a pseudo-gradient (``outer_optimizer=`` and/or ``compression=``): the inner optimizer's
+state stays on its rank; a round shares only the parameters' change since the last round (the
+pseudo-gradient) through gradshare's sharing core (gradshare.sharing), with error feedback:
+
+- DiLoCo (Douillard et al. 2023): ``outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9,
+  nesterov=True)``. The mean change is applied by the outer optimizer, as its gradient, to the
+  parameters of the last round (the same on every rank: its state is identical everywhere).
+- SparseLoCo (Sarfi et al. 2025): ``compression=gradshare.TopK(0.02, warmup_steps=0)`` and
+  ``residual_decay=0.9``: each rank sends the top entries of its decayed error-feedback buffer plus the
+  change, at a few bytes an entry; the mean of what was sent is applied (``outer_optimizer=None``: a step of
+  exactly the mean change) or handed to the outer optimizer.
+
+Floating buffers (BatchNorm statistics) are averaged densely at each round in every mode. With one rank
+nothing is sent; an outer optimizer still applies the rank's own change, so a run means the same on 1 or
+many ranks.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from gradshare import ops
+from gradshare.compression import Dense
+from gradshare.sharing import Sharing
+from gradshare.stats import Statistics
 from gradshare.wrapped_optimizer import WrappedOptimizer
 
 
@@ -37,11 +56,18 @@ class ParameterAveraging(WrappedOptimizer):
         optimizer: any torch optimizer over ``model``'s parameters.
         frequency: average after every ``frequency`` optimizer steps (1 = after each step).
         average_optimizer_state: also average floating-point optimizer state tensors (not step counters).
+            Default: True when parameters are averaged, False (and not allowed) with a pseudo-gradient.
         warmup_steps: the first ``warmup_steps`` steps average after every step (a synchronous start,
             when the model moves fastest), then every ``frequency`` steps.
         process_group: the group to average over (default: the global group).
         sync_initial: broadcast rank 0's parameters and buffers at construction (a collective), so that
             all ranks start from the same point.
+        outer_optimizer: a callable ``params -> torch.optim.Optimizer`` (module docstring: DiLoCo); it is
+            called once, with the model's parameters that need gradients.
+        compression: what a round sends of the pseudo-gradient (gradshare.compression: TopK, Ternary, Strom
+            thresholds, "dense"); default with an outer optimizer: Dense() (a float32 all-reduce).
+        residual_decay: beta in (0, 1] for the pseudo-gradient's error feedback (gradshare.sharing).
+        nonfinite, bucket_cap_mb, stats: as for SharedOptimizer (pseudo-gradient modes).
 
     Use ``opt.zero_grad(); loss.backward(); opt.step()`` as with the wrapped optimizer. ``average()``
     forces a round now (collective). ``bytes_sent`` / ``dense_bytes``: what this rank sent, and what an
@@ -49,16 +75,25 @@ class ParameterAveraging(WrappedOptimizer):
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, frequency: int = 5,
-                 average_optimizer_state: bool = True, warmup_steps: int = 0, process_group=None,
-                 sync_initial: bool = True):
+                 average_optimizer_state: Optional[bool] = None, warmup_steps: int = 0, process_group=None,
+                 sync_initial: bool = True, *, outer_optimizer: Optional[Callable[..., torch.optim.Optimizer]] = None,
+                 compression: Any = None, residual_decay: float = 1.0, nonfinite: str = "raise",
+                 bucket_cap_mb: float = 25.0, stats: Optional[Statistics] = None):
         if int(frequency) < 1:
             raise ValueError(f"frequency: must be >= 1, got {frequency}")
         if int(warmup_steps) < 0:
             raise ValueError(f"warmup_steps: must be >= 0, got {warmup_steps}")
+        if outer_optimizer is not None and not callable(outer_optimizer):
+            raise TypeError("outer_optimizer: expected a callable params -> torch.optim.Optimizer, e.g. "
+                            "lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)")
+        pseudo = outer_optimizer is not None or compression is not None
+        if pseudo and average_optimizer_state:
+            raise ValueError("average_optimizer_state=True: with outer_optimizer or compression only the "
+                             "pseudo-gradient is shared; the inner optimizer's state stays on its rank")
         self.model = model
         self.optimizer = optimizer
         self.frequency = int(frequency)
-        self.average_optimizer_state = bool(average_optimizer_state)
+        self.average_optimizer_state = (not pseudo) if average_optimizer_state is None else bool(average_optimizer_state)
         self.warmup_steps = int(warmup_steps)
         self.process_group = process_group
         self.step_count = 0
@@ -70,6 +105,18 @@ class ParameterAveraging(WrappedOptimizer):
         self._param_bytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
         if sync_initial and self.world_size > 1:
             self._broadcast_from_rank0()
+        self.sharing: Optional[Sharing] = None
+        self.outer: Optional[torch.optim.Optimizer] = None
+        if pseudo:
+            self.sharing = Sharing(Dense() if compression is None else compression, optimizer=optimizer,
+                                   process_group=process_group, nonfinite=nonfinite, stats=stats,
+                                   mode="pseudo-gradient", residual_decay=residual_decay)
+            self.sharing.build(model.parameters(), bucket_cap_mb)
+            if outer_optimizer is not None:
+                self.outer = outer_optimizer([p for b in self.sharing.buckets for p in b.params])
+                if not isinstance(self.outer, torch.optim.Optimizer):
+                    raise TypeError(f"outer_optimizer returned {type(self.outer).__name__}, not a torch.optim.Optimizer")
+            self.sharing.begin_updates()          # the parameters of the last round: where changes start
 
     # ------------------------------------------------------------------------------------ optimizer API
     def step(self, closure=None):
@@ -126,9 +173,17 @@ class ParameterAveraging(WrappedOptimizer):
             t.copy_(flat[off:off + t.numel()].view_as(t))
             off += t.numel()
 
+    @property
+    def stats(self) -> Optional[Statistics]:
+        """The pseudo-gradient exchanges' statistics (None when parameters are averaged)."""
+        return None if self.sharing is None else self.sharing.stats
+
     @torch.no_grad()
     def average(self) -> None:
         """Averages now across the group (a collective: every rank must call it)."""
+        if self.sharing is not None:
+            self._share_pseudo_gradient()
+            return
         world = self.world_size
         self.rounds += 1
         if world <= 1:
@@ -139,6 +194,30 @@ class ParameterAveraging(WrappedOptimizer):
         ops.average([flat], weights=[1.0 / world], out=flat)
         self._unflatten(flat, ts)
         self.bytes_sent += allreduce_bytes(4 * flat.numel(), world)
+
+    @torch.no_grad()
+    def _share_pseudo_gradient(self) -> None:
+        """One round with a pseudo-gradient (module docstring); parameters restored if it fails."""
+        sh = self.sharing
+        world = self.world_size
+        if world <= 1:
+            if self.outer is not None:                    # the rank's own change, through the outer optimizer
+                for b in sh.buckets:
+                    torch.sub(b.snapshot, b.gather_params(b.flat), out=b.flat)
+                sh.apply_outer(self.outer)
+        else:
+            before = sh.stats.bytes_sent
+            sh.share_updates(outer=self.outer)
+            self.bytes_sent += sh.stats.bytes_sent - before
+            buffers = [b for b in self.model.buffers() if b.is_floating_point()]
+            if buffers:
+                flat = self._flatten(buffers)
+                dist.all_reduce(flat, group=self.process_group)
+                ops.average([flat], weights=[1.0 / world], out=flat)
+                self._unflatten(flat, buffers)
+                self.bytes_sent += allreduce_bytes(4 * flat.numel(), world)
+        self.rounds += 1
+        sh.begin_updates()
 
     @torch.no_grad()
     def _broadcast_from_rank0(self) -> None:
@@ -152,12 +231,37 @@ class ParameterAveraging(WrappedOptimizer):
 
     # ------------------------------------------------------------------------------------- state
     def state_dict(self) -> Dict[str, Any]:
-        """The inner optimizer's state plus the step and round counters and byte totals."""
-        return {"optimizer": self.optimizer.state_dict(), "step": self.step_count, "rounds": self.rounds,
-                "bytes_sent": self.bytes_sent, "dense_bytes": self.dense_bytes, "frequency": self.frequency,
-                "warmup_steps": self.warmup_steps}
+        """The inner optimizer's state plus the step and round counters and byte totals; with a
+        pseudo-gradient also the sharing state (residuals), the parameters of the last round and the outer
+        optimizer's state, so that a resume mid-round is exact."""
+        state = {"optimizer": self.optimizer.state_dict(), "step": self.step_count, "rounds": self.rounds,
+                 "bytes_sent": self.bytes_sent, "dense_bytes": self.dense_bytes, "frequency": self.frequency,
+                 "warmup_steps": self.warmup_steps}
+        if self.sharing is not None:
+            state["gradshare"] = self.sharing.state_dict()
+            state["round_start"] = [b.snapshot.detach().cpu().clone() for b in self.sharing.buckets]
+            state["outer"] = None if self.outer is None else self.outer.state_dict()
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        pseudo = "gradshare" in state
+        if pseudo != (self.sharing is not None):
+            raise ValueError("load_state_dict: the checkpoint was written " +
+                             ("with a pseudo-gradient (outer_optimizer / compression)" if pseudo else
+                              "averaging parameters") + ", this ParameterAveraging is configured otherwise")
+        if pseudo:
+            if (state.get("outer") is None) != (self.outer is None):
+                raise ValueError("load_state_dict: outer_optimizer given in one of the checkpoint and this "
+                                 "ParameterAveraging, not in the other")
+            self.sharing.load_state_dict(state["gradshare"])
+            starts = state["round_start"]
+            if len(starts) != len(self.sharing.buckets) or any(
+                    s.numel() != b.n for s, b in zip(starts, self.sharing.buckets)):
+                raise ValueError("load_state_dict: the checkpoint's round-start parameters do not match the buckets")
+            for b, s in zip(self.sharing.buckets, starts):
+                b.snapshot.copy_(s)
+            if self.outer is not None:
+                self.outer.load_state_dict(state["outer"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = int(state["step"])
         self.rounds = int(state.get("rounds", 0))
@@ -165,5 +269,9 @@ class ParameterAveraging(WrappedOptimizer):
         self.dense_bytes = int(state.get("dense_bytes", 0))
 
     def __repr__(self) -> str:
+        extra = ""
+        if self.sharing is not None:
+            extra = (f", outer={type(self.outer).__name__ if self.outer is not None else None}, "
+                     f"compression={self.sharing.compression!r}, residual_decay={self.sharing.residual_decay}")
         return (f"ParameterAveraging({type(self.optimizer).__name__}, frequency={self.frequency}, "
-                f"average_optimizer_state={self.average_optimizer_state}, warmup_steps={self.warmup_steps})")
+                f"average_optimizer_state={self.average_optimizer_state}, warmup_steps={self.warmup_steps}{extra})")

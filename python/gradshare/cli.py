@@ -14,16 +14,19 @@ _SUBCOMMANDS = {
 
 
 def _info(args) -> int:
-    from gradshare import build_info
+    from gradshare import __version__, build_info
 
-    print(json.dumps(build_info(), indent=2))
+    print(json.dumps({"version": __version__, **build_info()}, indent=2))
     return 0
 
 
 def main(argv=None) -> int:
     from gradshare.argtypes import OneLineParser
 
+    from gradshare import __version__
+
     parser = OneLineParser(prog="gradshare", description="Communication-efficient data-parallel training")
+    parser.add_argument("--version", action="version", version=f"gradshare {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     sub.add_parser("info", help="what the native library was built with").set_defaults(func=_info)
     for name, (module, help_text) in _SUBCOMMANDS.items():

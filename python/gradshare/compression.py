@@ -13,6 +13,8 @@ writes one int32 message per rank and step (gradshare.message):
   gradients that arrive in rare large bursts.
 - ``Strom(threshold)``: DL4J's scheme, each entry that reached tau sent as +-tau (``Fixed`` / ``Adaptive``
   thresholds, gradshare.thresholds). Kept for DL4J semantics; it moves an element by at most tau per step.
+- ``Dense()``: everything, summed by one float32 all-reduce (the exchange's dense path); nothing is held
+  back. For exchanges that are rare already (ParameterAveraging's pseudo-gradient, DiLoCo).
 
 ``for_optimizer(opt)`` is the default choice: ``TopK`` for SGD-like optimizers, ``Ternary`` for
 adaptive ones (Adam, AdamW, RMSprop, ...) and, with a warning, for optimizers gradshare does not know.
@@ -216,6 +218,20 @@ class Strom(Compression):
         return f"Strom({self.threshold!r}, clipping={self.clipping!r})"
 
 
+class Dense(Compression):
+    """No compression: the whole buffer is summed by one float32 all-reduce (the exchange's dense path), so
+    the residual is empty after every exchange. Its "message" is declared larger than the buffer, which
+    sends every exchange with it down the dense path (``fallback="never"`` cannot send it)."""
+
+    name = "dense"
+
+    def words(self, n: int, step: int) -> int:
+        return n + msgfmt.HEADER_WORDS
+
+    def encode(self, update, residual, step):
+        raise ValueError("Dense() is sent by all-reduce; it cannot be used with fallback='never'")
+
+
 # --------------------------------------------------------------------------------------- the default
 SGD_LIKE = (torch.optim.SGD, torch.optim.ASGD)
 ADAPTIVE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
@@ -244,9 +260,11 @@ def as_compression(value: Union[Compression, Threshold, float, str, None],
                    clipping: Optional[ResidualClipping] = None) -> Optional[Compression]:
     """A Compression from what a user passes: a Compression as is; a Fixed / Adaptive threshold (or a float
     tau) as Strom; a TargetSparsity(target) as TopK(density=target) (its fixed traffic budget, now with
-    values); None or "auto" -> None (the caller picks with for_optimizer)."""
+    values); "dense" -> Dense(); None or "auto" -> None (the caller picks with for_optimizer)."""
     if value is None or (isinstance(value, str) and value == "auto"):
         return None
+    if isinstance(value, str) and value == "dense":
+        return Dense()
     if isinstance(value, Compression):
         return value.clone()
     if isinstance(value, TargetSparsity):
@@ -254,5 +272,5 @@ def as_compression(value: Union[Compression, Threshold, float, str, None],
                     warmup_density=max(value.warmup_density, value.target))
     if isinstance(value, (Fixed, Adaptive, Threshold, int, float)) and not isinstance(value, bool):
         return Strom(value, clipping)
-    raise TypeError(f"compression: expected TopK, Ternary, a threshold (Fixed, Adaptive, TargetSparsity), a "
-                    f"float tau or 'auto', got {type(value).__name__}")
+    raise TypeError(f"compression: expected TopK, Ternary, Dense, a threshold (Fixed, Adaptive, TargetSparsity), a "
+                    f"float tau, 'dense' or 'auto', got {value!r}")

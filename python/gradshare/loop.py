@@ -12,6 +12,7 @@ let a caller checkpoint after any step and resume mid-epoch at the same batch.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 import pickle
@@ -63,7 +64,9 @@ class TrainConfig:
     ``batch_size`` is per worker. ``mode``: "shared_gradients" (gradshare.optim.SharedOptimizer with
     ``compression`` (None: chosen for the optimizer, gradshare.compression) and ``clipping`` (for +-tau
     thresholds); ``shared`` picks what is encoded: "updates" (default) or "gradients") or
-    "averaging" (ParameterAveraging every ``averaging_frequency`` steps). ``devices``: device i % len
+    "averaging" (ParameterAveraging every ``averaging_frequency`` steps; with ``outer_optimizer`` (a spec as
+    for ``optimizer``) and/or ``compression`` only the pseudo-gradient is shared, with ``residual_decay``:
+    DiLoCo and SparseLoCo, gradshare.averaging). ``devices``: device i % len
     for rank i (default CPU). ``on_step(state)`` runs after every step on every rank (checkpointing);
     ``resume`` is a dict from :meth:`TrainState.state_dict` or a function rank -> such a dict.
     """
@@ -78,7 +81,9 @@ class TrainConfig:
     compression: Any = None
     clipping: Any = "default"
     averaging_frequency: int = 5
-    average_optimizer_state: bool = True
+    average_optimizer_state: Optional[bool] = None
+    outer_optimizer: Optional[OptimizerSpec] = None
+    residual_decay: float = 1.0
     warmup_steps: int = 0
     validation_data: Any = None
     metrics: Sequence[Any] = ("loss", "accuracy")
@@ -161,9 +166,12 @@ def _allreduce_sum(values: List[float], device: torch.device) -> List[float]:
 def _build_trainer(cfg: TrainConfig, model: nn.Module):
     inner = make_optimizer(cfg.optimizer, model.parameters())
     if cfg.mode == "averaging":
+        outer = cfg.outer_optimizer
         return ParameterAveraging(model, inner, frequency=cfg.averaging_frequency,
                                   average_optimizer_state=cfg.average_optimizer_state,
-                                  warmup_steps=cfg.warmup_steps)
+                                  warmup_steps=cfg.warmup_steps, compression=copy.deepcopy(cfg.compression),
+                                  outer_optimizer=None if outer is None else functools.partial(make_optimizer, outer),
+                                  residual_decay=cfg.residual_decay)
     from gradshare.optim import SharedOptimizer
 
     kwargs = {"mode": cfg.shared, "compression": copy.deepcopy(cfg.compression)}
@@ -195,8 +203,16 @@ def comm_totals(opt) -> Tuple[int, int]:
 def comm_step_info(opt) -> Dict[str, Any]:
     """Per-step details of the last step where the optimizer exposes them (density, tau)."""
     if isinstance(opt, ParameterAveraging):
-        return {"averaged": float(opt.last_averaged)}
-    records = getattr(getattr(opt, "stats", None), "records", None)
+        info = {"averaged": float(opt.last_averaged)}
+        if opt.last_averaged and opt.stats is not None:      # a pseudo-gradient round: what it sent
+            info.update(last_exchange(opt.stats))
+        return info
+    return last_exchange(getattr(opt, "stats", None))
+
+
+def last_exchange(stats) -> Dict[str, Any]:
+    """Density (weighted by bucket size), tau and format of the last exchange a Statistics recorded."""
+    records = getattr(stats, "records", None)
     if not records:
         return {}
     step = records[-1].step
@@ -292,8 +308,10 @@ def _position(ts: TrainState) -> Dict[str, Any]:
 
 
 def _save_to_context(ts: TrainState, ctx: Any) -> None:
-    ctx.save(ts.step, {"model": ts.model, "position": _position(ts)},
-             {"optimizer": ts.optimizer, "epoch_totals": dict(ts.epoch_totals)})
+    mine = {"optimizer": ts.optimizer, "epoch_totals": dict(ts.epoch_totals)}
+    if isinstance(ts.optimizer, ParameterAveraging):   # replicas differ between rounds: each rank keeps its own
+        mine["model"] = ts.model
+    ctx.save(ts.step, {"model": ts.model, "position": _position(ts)}, mine)
 
 
 def _restore_from_context(ts: TrainState, ctx: Any) -> None:
@@ -303,6 +321,8 @@ def _restore_from_context(ts: TrainState, ctx: Any) -> None:
     ts.history = list(pos["history"])
     mine = ctx.rank_state()
     if mine is not None:  # same world size as the save: this rank's optimizer state and totals
+        if "model" in mine:
+            ts.model.load_state_dict(mine["model"])
         ts.optimizer.load_state_dict(mine["optimizer"])
         ts.epoch_totals = dict(mine["epoch_totals"])
 

@@ -73,10 +73,15 @@ class ParallelWrapper:
         loss_fn: ``loss(outputs, targets)`` averaged over the batch (default cross-entropy).
         workers: worker processes (default: one per GPU, else a CPU count that fits the cores).
         mode: "shared_gradients" (threshold-encoded gradient sharing, gradshare.optim.SharedOptimizer)
-            or "averaging" (parameters and optimizer state averaged every ``averaging_frequency`` steps).
+            or "averaging" (parameters and optimizer state averaged every ``averaging_frequency`` steps;
+            with ``outer_optimizer`` and/or ``compression``, only the pseudo-gradient: DiLoCo, SparseLoCo).
         averaging_frequency: steps between averaging rounds (averaging mode).
+        outer_optimizer: averaging mode: the outer optimizer, given like ``optimizer`` (a picklable factory
+            or ``(class, kwargs)``), e.g. ``(torch.optim.SGD, dict(lr=0.7, momentum=0.9, nesterov=True))``.
+        residual_decay: averaging mode with ``compression``: the pseudo-gradient's error-feedback decay.
         prefetch_buffer: batches each worker prepares ahead in a background thread.
-        compression: what sharing sends (gradshare.compression; default: chosen for the optimizer).
+        compression: what sharing sends (gradshare.compression; default: chosen for the optimizer); in
+            averaging mode, what a round sends of the pseudo-gradient (default: parameters averaged).
         threshold: the former name of ``compression`` (deprecated).
         devices: devices to place workers on (worker i on devices[i % len]); default the GPUs, else CPU.
         seed: fixes the data order of every epoch (and each worker's torch RNG).
@@ -89,8 +94,9 @@ class ParallelWrapper:
                  workers: Optional[int] = None, mode: str = "shared_gradients", averaging_frequency: int = 5,
                  prefetch_buffer: int = 2, compression: Any = None, devices: Optional[Sequence[str]] = None,
                  seed: int = 0, *, optimizer_kwargs: Optional[Dict[str, Any]] = None, shared: str = "updates",
-                 clipping: Any = "default", average_optimizer_state: bool = True, warmup_steps: int = 0,
-                 progress: bool = True, timeout: float = 7 * _DAY, threshold: Any = None):
+                 clipping: Any = "default", average_optimizer_state: Optional[bool] = None, warmup_steps: int = 0,
+                 progress: bool = True, timeout: float = 7 * _DAY, threshold: Any = None,
+                 outer_optimizer: Any = None, residual_decay: float = 1.0):
         if threshold is not None:
             if compression is not None:
                 raise TypeError("pass compression= or its former name threshold=, not both")
@@ -117,11 +123,13 @@ class ParallelWrapper:
         self.shared = shared
         self.clipping = clipping
         self.average_optimizer_state = average_optimizer_state
+        self.outer_optimizer = outer_optimizer
+        self.residual_decay = float(residual_decay)
         self.warmup_steps = int(warmup_steps)
         self.progress = progress
         self.timeout = float(timeout)
         self.steps: List[Dict[str, Any]] = []  # per-step records of rank 0 in the last fit
-        for name in ("optimizer", "loss_fn", "compression", "clipping"):
+        for name in ("optimizer", "loss_fn", "compression", "clipping", "outer_optimizer"):
             loop.check_picklable(name, getattr(self, name))
 
     def config(self, data, epochs: int = 1, batch_size: int = 32, validation_data=None,
@@ -132,6 +140,7 @@ class ParallelWrapper:
             loss_fn=self.loss_fn, epochs=epochs, batch_size=batch_size, mode=self.mode, shared=self.shared,
             compression=self.compression, clipping=self.clipping, averaging_frequency=self.averaging_frequency,
             average_optimizer_state=self.average_optimizer_state, warmup_steps=self.warmup_steps,
+            outer_optimizer=self.outer_optimizer, residual_decay=self.residual_decay,
             validation_data=None if validation_data is None else _shareable(validation_data, "test", self.seed),
             metrics=tuple(metrics), seed=self.seed, devices=self.devices, prefetch_buffer=self.prefetch_buffer,
             progress=self.progress)

@@ -172,18 +172,24 @@ class Sharing:
             (Deep Gradient Compression's momentum correction with factor masking), for a momentum-free
             optimizer in "gradients" mode. Not needed when updates are shared.
         clipping: DL4J's residual clipping for Strom policies (ResidualClipping or None).
+        residual_decay: beta in (0, 1]: before each exchange the residual is multiplied by beta, so what
+            was held back fades (SparseLoCo's decayed error feedback, for pseudo-gradients that are rare and
+            large). 1 (default): plain error feedback.
     """
 
     def __init__(self, compression: Any = None, *, optimizer: Optional[torch.optim.Optimizer] = None,
                  process_group=None, reduce: str = "mean", nonfinite: str = "raise", fallback: str = "auto",
                  stats: Optional[Statistics] = None, momentum: Optional[float] = None, clipping=None,
-                 mode: str = "gradients"):
+                 mode: str = "gradients", residual_decay: float = 1.0):
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite: expected 'raise' or 'skip', got {nonfinite!r}")
         if reduce not in REDUCE:
             raise ValueError(f"reduce: expected 'mean' or 'sum', got {reduce!r}")
         if momentum is not None and not 0.0 <= float(momentum) < 1.0:
             raise ValueError(f"momentum: expected None or a value in [0, 1), got {momentum}")
+        if not 0.0 < float(residual_decay) <= 1.0:
+            raise ValueError(f"residual_decay: expected a value in (0, 1], got {residual_decay}")
+        self.residual_decay = float(residual_decay)
         self.compression = as_compression(compression, clipping) or for_optimizer(optimizer)
         self.process_group = process_group
         self.reduce = reduce
@@ -222,7 +228,8 @@ class Sharing:
         from gradshare import __version__
         return {"gradshare version": __version__, "world size": self.world_size, "mode": self.mode,
                 "compression": b.compression.config(), "reduce": self.reduce, "nonfinite": self.nonfinite,
-                "fallback": self.fallback, "momentum": self.momentum, "bucket": b.index,
+                "fallback": self.fallback, "momentum": self.momentum, "residual decay": self.residual_decay,
+                "bucket": b.index,
                 "bucket layout": [f"{tuple(p.shape)} {str(p.dtype).replace('torch.', '')}" for p in b.params]}
 
     def agree(self, b: Bucket) -> None:
@@ -259,6 +266,8 @@ class Sharing:
         if b.velocity is not None:
             b.velocity_backup.copy_(b.velocity)
         b.in_step = True
+        if self.residual_decay != 1.0:            # decayed error feedback: e = beta*e + update
+            b.residual.mul_(self.residual_decay)
         if b.velocity is not None:               # momentum correction: encode u = m*u + g
             update = b.velocity.mul_(self.momentum).add_(update.view(-1))
         return exchange_async(update, b.residual, encoder=b.compression, out=out, group=self.process_group,
@@ -343,9 +352,12 @@ class Sharing:
                 b.snapshot = torch.empty(b.n, dtype=torch.float32, device=b.device)
             b.gather_params(b.snapshot)
 
-    def share_updates(self) -> bool:
-        """After the optimizer's local step: shares each bucket's change and sets every rank's parameters to
-        (before - decoded mean change). False when the step was skipped (parameters restored)."""
+    def share_updates(self, outer: Optional[torch.optim.Optimizer] = None) -> bool:
+        """After the optimizer's local step(s): shares each bucket's change since :meth:`begin_updates` and
+        sets every rank's parameters to (before - decoded mean change). With an ``outer`` optimizer over the
+        buckets' parameters (DiLoCo), the parameters are set back to before and ``outer`` steps with the
+        decoded mean change as their gradient (the gradients are put back afterwards); the same on every
+        rank, so replicas stay identical. False when the step was skipped (parameters restored)."""
         items = []
         for b in self.buckets:
             delta = b.gather_params(b.flat)
@@ -357,6 +369,9 @@ class Sharing:
             self.restore_params()
             raise
         ok = self.finish(results)
+        if ok and outer is not None:
+            self.apply_outer(outer)
+            return True
         for b in self.buckets:
             if ok:
                 torch.sub(b.snapshot, b.flat, out=b.flat)   # before - mean update
@@ -364,6 +379,22 @@ class Sharing:
             else:
                 b.set_params(b.snapshot)
         return ok
+
+    @torch.no_grad()
+    def apply_outer(self, outer: torch.optim.Optimizer) -> None:
+        """Parameters back to the snapshot, then ``outer.step()`` on the mean change (in every bucket's flat
+        buffer) as the gradient; the parameters' own gradients are put back afterwards."""
+        saved = []
+        for b in self.buckets:
+            b.set_params(b.snapshot)
+            for p, v in b.views(b.flat):
+                saved.append((p, p.grad))
+                p.grad = v.to(p.dtype)
+        try:
+            outer.step()
+        finally:
+            for p, g in saved:
+                p.grad = g
 
     def nonfinite_ranks(self) -> List[int]:
         """The ranks whose gradients hold a NaN or Inf (an all-gather of one flag per rank: the same list on

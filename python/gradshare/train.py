@@ -43,6 +43,12 @@ from gradshare.loop import TrainConfig, train_rank  # noqa: F401  (train_rank: t
 from gradshare.workers import stop_process_group
 
 # ------------------------------------------------------------------------------------------ options
+LOCAL_STEPS = ("diloco", "sparse_local")          # the averaging mode with a pseudo-gradient
+MODES = loop.MODES + LOCAL_STEPS
+DILOCO_OUTER = (0.7, 0.9)                         # outer Nesterov lr and momentum (DiLoCo's)
+SPARSE_LOCAL_DENSITY, SPARSE_LOCAL_DECAY = 0.02, 0.9
+
+
 def parse_compression(spec: str):
     """What sharing sends, from the command line: "auto" (None: chosen for the optimizer), "topk[:DENSITY]",
     "ternary[:FRACTION]", "target:DENSITY" (TopK), "fixed:TAU" or "adaptive[:INITIAL_TAU]" (DL4J's +-tau)."""
@@ -76,8 +82,11 @@ def _compression_arg(spec: str) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=argtypes.integer(1), default=2, help="worker processes")
-    p.add_argument("--mode", choices=loop.MODES, default="shared_gradients",
-                   help="gradient sharing (threshold-encoded) or periodic parameter averaging")
+    p.add_argument("--mode", choices=MODES, default="shared_gradients",
+                   help="shared_gradients: every step shares compressed updates; averaging: parameters and "
+                        "optimizer state averaged every --averaging-frequency steps; diloco: local steps, the "
+                        "averaged change applied by an outer Nesterov optimizer; sparse_local: local steps, the "
+                        "change's top entries shared with error feedback")
     p.add_argument("--epochs", type=argtypes.integer(1), default=12, help="passes over the training set")
     p.add_argument("--batch-size", type=argtypes.integer(1), default=32, help="samples per worker per step")
     p.add_argument("--lr", type=argtypes.number(0, low_open=True), default=3e-3, help="learning rate")
@@ -89,7 +98,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compression", "--threshold", dest="compression", type=_compression_arg, default="auto",
                    help="what sharing sends: auto (chosen for the optimizer) | topk[:DENSITY] | ternary[:FRACTION] | "
                         "target:DENSITY | fixed:TAU | adaptive[:INITIAL_TAU] (--threshold is its former name)")
-    p.add_argument("--averaging-frequency", type=argtypes.integer(1), default=5, help="steps between averaging rounds")
+    p.add_argument("--averaging-frequency", type=argtypes.integer(1), default=5,
+                   help="steps between rounds (averaging, diloco, sparse_local)")
+    p.add_argument("--outer-lr", type=argtypes.number(0, low_open=True), metavar="LR",
+                   help=f"diloco, sparse_local: the outer optimizer's learning rate (diloco default {DILOCO_OUTER[0]}; "
+                        "sparse_local default: none, the mean change is applied as it is)")
+    p.add_argument("--outer-momentum", type=argtypes.number(0, 1, high_open=True), metavar="M",
+                   help=f"diloco, sparse_local: the outer optimizer's Nesterov momentum (diloco default {DILOCO_OUTER[1]}, "
+                        "sparse_local default 0)")
+    p.add_argument("--residual-decay", type=argtypes.number(0, 1, low_open=True), metavar="BETA",
+                   help=f"sparse_local: the error-feedback decay (default {SPARSE_LOCAL_DECAY})")
     p.add_argument("--data", type=argtypes.data_spec, default="digits",
                    help="digits | mnist:PATH (idx files, .gz or not)")
     p.add_argument("--seed", type=argtypes.integer(0), default=0, help="model initialisation, data split and order")
@@ -132,7 +150,32 @@ def options_from_args(args: argparse.Namespace) -> Dict[str, Any]:
     return {"workers": args.workers, "mode": args.mode, "epochs": args.epochs,
             "batch_size": args.batch_size, "lr": args.lr, "optimizer": args.optimizer, "share": args.share,
             "compression": args.compression, "averaging_frequency": args.averaging_frequency, "data": args.data,
-            "seed": args.seed, "progress": not args.no_progress}
+            "seed": args.seed, "progress": not args.no_progress, "outer_lr": args.outer_lr,
+            "outer_momentum": args.outer_momentum, "residual_decay": args.residual_decay}
+
+
+def local_steps_options(opts: Dict[str, Any]) -> Dict[str, Any]:
+    """TrainConfig fields for --mode diloco / sparse_local (the averaging mode with a pseudo-gradient)."""
+    from gradshare.compression import TopK
+
+    mode = opts.get("mode")
+    lr, momentum = opts.get("outer_lr"), opts.get("outer_momentum")
+    if mode == "diloco":
+        lr = DILOCO_OUTER[0] if lr is None else lr
+        momentum = DILOCO_OUTER[1] if momentum is None else momentum
+    elif lr is not None or momentum is not None:
+        lr = 1.0 if lr is None else lr
+        momentum = 0.0 if momentum is None else momentum
+    compression = parse_compression(opts.get("compression", "auto"))
+    if mode == "sparse_local":
+        compression = compression or TopK(SPARSE_LOCAL_DENSITY)
+    if isinstance(compression, TopK):     # a round is many steps: no per-step warm-up of the density
+        compression = TopK(compression.density, chunk=compression.chunk, warmup_steps=0, values=compression.values)
+    decay = opts.get("residual_decay")
+    return {"mode": "averaging", "compression": compression,
+            "residual_decay": float(decay if decay is not None else SPARSE_LOCAL_DECAY if mode == "sparse_local" else 1.0),
+            "outer_optimizer": None if lr is None else
+            (torch.optim.SGD, {"lr": float(lr), "momentum": float(momentum), "nesterov": float(momentum) > 0})}
 
 
 def build_config(opts: Dict[str, Any]) -> TrainConfig:
@@ -149,14 +192,17 @@ def build_config(opts: Dict[str, Any]) -> TrainConfig:
     else:
         optimizer = (torch.optim.SGD, {"lr": lr, "momentum": 0.9})
     mode = opts.get("mode", "shared_gradients")
+    extra: Dict[str, Any] = {"mode": mode}
+    if mode in LOCAL_STEPS:
+        extra = local_steps_options(opts)
+    elif mode == "shared_gradients":
+        extra["compression"] = parse_compression(opts.get("compression", opts.get("threshold", "auto")))
     return TrainConfig(model=model, optimizer=optimizer, train_data=data, validation_data=data,
-                       epochs=int(opts.get("epochs", 12)), batch_size=int(opts.get("batch_size", 32)), mode=mode,
+                       epochs=int(opts.get("epochs", 12)), batch_size=int(opts.get("batch_size", 32)),
                        shared=opts.get("share", "updates"),
-                       compression=parse_compression(opts.get("compression", opts.get("threshold", "auto")))
-                       if mode != "averaging" else None,
                        averaging_frequency=int(opts.get("averaging_frequency", 5)),
                        metrics=("loss", "accuracy"), seed=int(opts.get("seed", 0)),
-                       progress=bool(opts.get("progress", True)))
+                       progress=bool(opts.get("progress", True)), **extra)
 
 
 def train_job(opts: Dict[str, Any], ctx: Any = None) -> Dict[str, Any]:
@@ -348,6 +394,10 @@ def run(args: argparse.Namespace) -> int:
     if args.max_restarts and args.launcher == "local":
         print("--max-restarts needs --launcher torchrun or spark", file=sys.stderr)
         return 2
+    if args.mode not in LOCAL_STEPS and (args.outer_lr is not None or args.outer_momentum is not None
+                                         or args.residual_decay is not None):
+        print("--outer-lr, --outer-momentum and --residual-decay need --mode diloco or sparse_local", file=sys.stderr)
+        return 2
     opts = options_from_args(args)
     launch = launch_options(args)
     if args.print_command:
@@ -374,11 +424,22 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
+def _local_steps_text(opts: Dict[str, Any]) -> str:
+    if opts["mode"] not in LOCAL_STEPS:
+        return ""
+    o = local_steps_options(opts)
+    outer = o["outer_optimizer"]
+    text = f", {o['compression'] or 'dense'}"
+    if o["compression"] is not None:
+        text += f", residual decay {o['residual_decay']:g}"
+    return text + (f", outer Nesterov lr {outer[1]['lr']:g} momentum {outer[1]['momentum']:g}" if outer else "")
+
+
 def _run_and_report(args: argparse.Namespace, opts: Dict[str, Any], launch: Dict[str, Any]) -> int:
     print(f"gradshare train: SmallCNN on {opts['data']}, {opts['workers']} {args.launcher} workers, "
           f"{opts['mode']}" + (f" ({opts['share']}, compression {opts['compression']})"
                                if opts["mode"] == "shared_gradients"
-                               else f" (every {opts['averaging_frequency']} steps)")
+                               else f" (every {opts['averaging_frequency']} steps{_local_steps_text(opts)})")
           + f", {opts['optimizer']} lr {opts['lr']:g}, {opts['epochs']} epochs, batch {opts['batch_size']} per worker",
           flush=True)
     t0 = time.perf_counter()
@@ -400,6 +461,9 @@ def _run_and_report(args: argparse.Namespace, opts: Dict[str, Any], launch: Dict
     ratio = f", {dense / sent:.1f}x less" if sent else ""
     print(f"bytes sent (all workers): {_fmt_bytes(sent)}; dense allreduce would have sent {_fmt_bytes(dense)}"
           f"{ratio}")
+    densities = [h["density"] for h in history if h.get("density") is not None]
+    if densities:
+        print(f"entries sent per exchange: {100 * sum(densities) / len(densities):.2f}% (mean over epochs)")
     if args.checkpoint_dir:
         print(f"checkpoints: {args.checkpoint_dir}")
     if args.metrics:
