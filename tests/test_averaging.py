@@ -243,6 +243,16 @@ def test_pseudo_gradient_on_one_process_and_argument_checks():
     assert pa.rounds == 2 and not torch.allclose(plain, outer)   # momentum 0.9 on the second round's change
     lr1, _ = run(outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0))
     assert torch.allclose(plain, lr1, atol=1e-6)
+    # weights loaded after construction are the starting point, not a change to share
+    model, pretrained = _model(), _model()
+    with torch.no_grad():
+        for p in pretrained.parameters():
+            p.add_(1.0)
+    pa = ParameterAveraging(model, torch.optim.SGD(model.parameters(), lr=0.0), frequency=1,
+                            outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9))
+    model.load_state_dict(pretrained.state_dict())
+    _train(model, pa, 0, 2)
+    assert torch.equal(_flat(model), _flat(pretrained))          # lr 0: no change, nothing applied
     model = _model()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="average_optimizer_state"):

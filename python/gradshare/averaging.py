@@ -116,11 +116,16 @@ class ParameterAveraging(WrappedOptimizer):
                 self.outer = outer_optimizer([p for b in self.sharing.buckets for p in b.params])
                 if not isinstance(self.outer, torch.optim.Optimizer):
                     raise TypeError(f"outer_optimizer returned {type(self.outer).__name__}, not a torch.optim.Optimizer")
-            self.sharing.begin_updates()          # the parameters of the last round: where changes start
+        # A round's change is measured from the parameters just before its first step, so weights loaded or
+        # edited between rounds (or after construction) are not mistaken for a change to share.
+        self._round_open = False
 
     # ------------------------------------------------------------------------------------ optimizer API
     def step(self, closure=None):
         """One optimizer step; then an averaging round when one is due. Returns the closure's loss."""
+        if self.sharing is not None and not self._round_open:
+            self.sharing.begin_updates()
+            self._round_open = True
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.step_count += 1
         self.dense_bytes += allreduce_bytes(self._param_bytes, self.world_size)
@@ -200,6 +205,9 @@ class ParameterAveraging(WrappedOptimizer):
         """One round with a pseudo-gradient (module docstring); parameters restored if it fails."""
         sh = self.sharing
         world = self.world_size
+        if not self._round_open:         # no step since the last round (the same on every rank): nothing to share
+            self.rounds += 1
+            return
         if world <= 1:
             if self.outer is not None:                    # the rank's own change, through the outer optimizer
                 for b in sh.buckets:
@@ -217,7 +225,7 @@ class ParameterAveraging(WrappedOptimizer):
                 self._unflatten(flat, buffers)
                 self.bytes_sent += allreduce_bytes(4 * flat.numel(), world)
         self.rounds += 1
-        sh.begin_updates()
+        self._round_open = False
 
     @torch.no_grad()
     def _broadcast_from_rank0(self) -> None:
@@ -239,7 +247,8 @@ class ParameterAveraging(WrappedOptimizer):
                  "warmup_steps": self.warmup_steps}
         if self.sharing is not None:
             state["gradshare"] = self.sharing.state_dict()
-            state["round_start"] = [b.snapshot.detach().cpu().clone() for b in self.sharing.buckets]
+            state["round_start"] = ([b.snapshot.detach().cpu().clone() for b in self.sharing.buckets]
+                                    if self._round_open else None)
             state["outer"] = None if self.outer is None else self.outer.state_dict()
         return state
 
@@ -253,13 +262,16 @@ class ParameterAveraging(WrappedOptimizer):
             if (state.get("outer") is None) != (self.outer is None):
                 raise ValueError("load_state_dict: outer_optimizer given in one of the checkpoint and this "
                                  "ParameterAveraging, not in the other")
-            self.sharing.load_state_dict(state["gradshare"])
             starts = state["round_start"]
-            if len(starts) != len(self.sharing.buckets) or any(
-                    s.numel() != b.n for s, b in zip(starts, self.sharing.buckets)):
+            if starts is not None and (len(starts) != len(self.sharing.buckets) or any(
+                    s.numel() != b.n for s, b in zip(starts, self.sharing.buckets))):
                 raise ValueError("load_state_dict: the checkpoint's round-start parameters do not match the buckets")
-            for b, s in zip(self.sharing.buckets, starts):
-                b.snapshot.copy_(s)
+            self.sharing.load_state_dict(state["gradshare"])
+            self._round_open = starts is not None
+            if starts is not None:
+                self.sharing.begin_updates()              # allocates the buffers, then the saved values
+                for b, s in zip(self.sharing.buckets, starts):
+                    b.snapshot.copy_(s)
             if self.outer is not None:
                 self.outer.load_state_dict(state["outer"])
         self.optimizer.load_state_dict(state["optimizer"])
