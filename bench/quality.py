@@ -179,11 +179,10 @@ def rank_main(cfg: Dict) -> Dict:
     out = {"rank": rank, "world": world, "params": n, "steps": wl.steps, "metric": metric,
            "train_loss": statistics.fmean(losses[-50:]), "bytes": counter.bytes,
            "dense_bytes": wl.steps * 2 * (world - 1) * 4 * n // world if world > 1 else 0, "seconds": seconds}
-    if state is not None and local:
-        out["library_bytes"] = state.bytes_sent
-    elif state is not None:
-        out["library_bytes"] = state.stats.bytes_sent
-        out["formats"] = dict(state.stats.format_counts)
+    if state is not None:
+        out["library_bytes"] = state.bytes_sent               # gradshare.stats.ReportsTraffic
+        if state.stats is not None:
+            out["formats"] = dict(state.stats.format_counts)
     return out
 
 

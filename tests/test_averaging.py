@@ -6,7 +6,8 @@ import torch.distributed as dist
 from torch import nn
 
 import gradshare
-from gradshare.averaging import ParameterAveraging, allreduce_bytes
+from gradshare.averaging import ParameterAveraging
+from gradshare.costmodel import ring_allreduce_bytes
 from gradshare.models import SmallCNN
 from gradshare.workers import run_local
 
@@ -68,9 +69,9 @@ def test_ranks_bitwise_identical_after_a_round(results, opt_name):
         assert differed, "replicas should differ between rounds"
         assert same, "replicas (params and optimizer state) must be bitwise identical after a round"
         assert rounds == 1
-        assert sent == allreduce_bytes(4 * numel, 2)   # one flat buffer: params + optimizer state
+        assert sent == ring_allreduce_bytes(2, numel)   # one flat buffer: params + optimizer state
         n_params = sum(p.numel() for p in _model().parameters())
-        assert dense == 3 * allreduce_bytes(4 * n_params, 2)
+        assert dense == 3 * ring_allreduce_bytes(2, n_params)
 
 
 def _frequency1_equals_gradient_averaging(steps):
@@ -175,7 +176,7 @@ def _sparse_pseudo_gradient(mid_round_resume):
     residual = pa.sharing.buckets[0].residual.abs().sum().item()
     out = {"differed": not torch.equal(before[0], before[1]), "same": torch.equal(after[0], after[1]),
            "inner_local": not torch.equal(state[0], state[1]), "outer_same": torch.equal(*outer_state),
-           "residual": residual, "sent": pa.bytes_sent, "dense_round": allreduce_bytes(4 * after[0].numel(), 2)}
+           "residual": residual, "sent": pa.bytes_sent, "dense_round": ring_allreduce_bytes(2, after[0].numel())}
     if mid_round_resume:
         _train(model, pa, rank + 7, 1)                                  # one step into the next round
         sd = {"model": copy.deepcopy(model.state_dict()), "pa": copy.deepcopy(pa.state_dict())}

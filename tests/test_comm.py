@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from gradshare import ops
-from gradshare.comm import (NonFiniteStepError, dense_allreduce_bytes, exchange, exchange_async, gather_bytes,
-                            prefers_dense)
+from gradshare.comm import NonFiniteStepError, exchange, exchange_async, prefers_dense
+from gradshare.costmodel import allgather_bytes, ring_allreduce_bytes
 from gradshare.message import HEADER_WORDS
 from gradshare.workers import run_local
 
@@ -52,8 +52,8 @@ def _check_reference(res, n, world):
         assert r["words"] == [len(x["msg"]) for x in res]
     words = res[0]["words"]
     assert len(set(words)) > 1                                   # padding was exercised
-    assert res[0]["bytes"] == gather_bytes(max(words), world)
-    assert res[0]["dense"] == dense_allreduce_bytes(n, world)
+    assert res[0]["bytes"] == allgather_bytes(world, max(words))
+    assert res[0]["dense"] == ring_allreduce_bytes(world, n)
 
 
 def _pipelined(n, k):

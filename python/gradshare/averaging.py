@@ -38,14 +38,10 @@ from torch import nn
 
 from gradshare import ops
 from gradshare.compression import Dense
+from gradshare.costmodel import ring_allreduce_bytes
 from gradshare.sharing import Sharing
 from gradshare.stats import Statistics
 from gradshare.wrapped_optimizer import WrappedOptimizer
-
-
-def allreduce_bytes(nbytes: int, world_size: int) -> int:
-    """Bytes one rank sends in a ring all-reduce of ``nbytes``: 2 (W-1)/W of the buffer."""
-    return 0 if world_size <= 1 else int(2 * (world_size - 1) * nbytes // world_size)
 
 
 class ParameterAveraging(WrappedOptimizer):
@@ -102,7 +98,7 @@ class ParameterAveraging(WrappedOptimizer):
         self.dense_bytes = 0
         self.last_averaged = False
         self._flat: Optional[torch.Tensor] = None
-        self._param_bytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self._param_count = sum(p.numel() for p in model.parameters() if p.requires_grad)
         if sync_initial and self.world_size > 1:
             self._broadcast_from_rank0()
         self.sharing: Optional[Sharing] = None
@@ -128,7 +124,7 @@ class ParameterAveraging(WrappedOptimizer):
             self._round_open = True
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.step_count += 1
-        self.dense_bytes += allreduce_bytes(self._param_bytes, self.world_size)
+        self.dense_bytes += ring_allreduce_bytes(self.world_size, self._param_count)
         self.last_averaged = self.due(self.step_count)
         if self.last_averaged:
             self.average()
@@ -198,7 +194,7 @@ class ParameterAveraging(WrappedOptimizer):
         dist.all_reduce(flat, group=self.process_group)
         ops.average([flat], weights=[1.0 / world], out=flat)
         self._unflatten(flat, ts)
-        self.bytes_sent += allreduce_bytes(4 * flat.numel(), world)
+        self.bytes_sent += ring_allreduce_bytes(world, flat.numel())
 
     @torch.no_grad()
     def _share_pseudo_gradient(self) -> None:
@@ -223,7 +219,7 @@ class ParameterAveraging(WrappedOptimizer):
                 dist.all_reduce(flat, group=self.process_group)
                 ops.average([flat], weights=[1.0 / world], out=flat)
                 self._unflatten(flat, buffers)
-                self.bytes_sent += allreduce_bytes(4 * flat.numel(), world)
+                self.bytes_sent += ring_allreduce_bytes(world, flat.numel())
         self.rounds += 1
         self._round_open = False
 

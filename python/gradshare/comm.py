@@ -46,11 +46,11 @@ import torch.distributed as dist
 
 from gradshare import message as msgfmt
 from gradshare import ops
-from gradshare.message import (BITMAP, CHUNKED, FAILED, FORMAT_NAMES, HEADER_WORDS, NONFINITE, SPARSE, TERNARY, TOPK,
-                               TOPK8)
+from gradshare.costmodel import allgather_bytes, fixed_allgather_bytes, ring_allreduce_bytes
+from gradshare.message import (BITMAP, CHUNKED, FAILED, FORMAT_NAMES, HEADER_WORDS, LENGTHS_WORDS, NONFINITE, SPARSE,
+                               TERNARY, TOPK, TOPK8)
 from gradshare.ops import NonFiniteError
 
-META_WORDS = 4          # per rank in the lengths gather: words, format, n, count (or first bad index)
 FALLBACKS = ("auto", "never", "always")
 POLICIES = ("raise", "skip")
 
@@ -130,18 +130,8 @@ class _TauEncoder:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Cost model
+# Path choice (the bytes of each path: gradshare.costmodel)
 # ---------------------------------------------------------------------------------------------------
-
-def dense_allreduce_bytes(n: int, world: int) -> int:
-    """Bytes one rank sends in a ring allreduce of n fp32 elements."""
-    return (2 * (world - 1) * 4 * n) // world if world > 1 else 0
-
-
-def gather_bytes(max_words: int, world: int) -> int:
-    """Bytes one rank sends: the lengths all-gather plus the padded int32 all-gather."""
-    return (world - 1) * (8 * META_WORDS + 4 * max_words)
-
 
 def prefers_dense(max_words: int, n: int, world: int) -> bool:
     """True when the padded gather would move more than a dense allreduce (W * L > 2 * n)."""
@@ -209,15 +199,15 @@ class _Exchange:
         if self.fixed is not None:
             self.max_words = self.fixed
             return None
-        meta = torch.empty(META_WORDS, dtype=torch.int64, device=self.msg.device)
+        meta = torch.empty(LENGTHS_WORDS, dtype=torch.int64, device=self.msg.device)
         meta[0] = self.msg.numel()
         meta[1:4].copy_(self.msg[1:4])
-        self.meta_all = torch.empty(self.world * META_WORDS, dtype=torch.int64, device=self.msg.device)
+        self.meta_all = torch.empty(self.world * LENGTHS_WORDS, dtype=torch.int64, device=self.msg.device)
         return meta
 
     # stage 2 (varying lengths only): read everyone's lengths, decide the path (or stop on a non-finite step)
     def plan(self) -> Optional[ExchangeResult]:
-        table = self.meta_all.view(self.world, META_WORDS).tolist()
+        table = self.meta_all.view(self.world, LENGTHS_WORDS).tolist()
         self.words = [r[0] for r in table]
         self.formats = [r[1] for r in table]
         ns = [r[2] for r in table]
@@ -282,8 +272,8 @@ class _Exchange:
                 self.residual.mul_(scale)
             self.out.copy_(self.residual)
             self.residual.zero_()
-            lengths = gather_bytes(0, self.world) if self.fixed is None else 0
-            return self._result("dense", dense_allreduce_bytes(self.n, self.world) + lengths)
+            lengths = allgather_bytes(self.world, 0) if self.fixed is None else 0
+            return self._result("dense", ring_allreduce_bytes(self.world, self.n) + lengths)
         rows = self.rows.view(self.world, self.max_words)
         if self.fixed is not None:
             heads = rows[:, :HEADER_WORDS].tolist()
@@ -304,16 +294,16 @@ class _Exchange:
         if dst is not self.out and dst.data_ptr() != self.out.data_ptr():
             self.out.copy_(dst.view_as(self.out))
         if self.fixed is not None:
-            return self._result(FORMAT_NAMES[self.formats[0]], (self.world - 1) * 4 * self.fixed)
+            return self._result(FORMAT_NAMES[self.formats[0]], fixed_allgather_bytes(self.world, self.fixed))
         fmt = FORMAT_NAMES[BITMAP if BITMAP in self.formats else SPARSE]
-        return self._result(fmt, gather_bytes(self.max_words, self.world))
+        return self._result(fmt, allgather_bytes(self.world, self.max_words))
 
     def _result(self, fmt: str, sent: int, bad=None) -> ExchangeResult:
         if fmt == "skipped":
-            sent = gather_bytes(0, self.world) if self.fixed is None else (self.world - 1) * 4 * (self.fixed or 0)
+            sent = allgather_bytes(self.world, 0) if self.fixed is None else fixed_allgather_bytes(self.world, self.fixed)
         return ExchangeResult(out=self.out, format=fmt, world=self.world, n=self.n, tau=self.tau,
                               words=self.words, counts=self.counts, formats=self.formats, bytes_sent=sent,
-                              dense_bytes=dense_allreduce_bytes(self.n, self.world),
+                              dense_bytes=ring_allreduce_bytes(self.world, self.n),
                               nonfinite_ranks=list(bad or []), message=None if bad is not None else self.msg)
 
 

@@ -47,12 +47,12 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from gradshare.message import HEADER_WORDS, bitmap_words
+from gradshare.message import HEADER_WORDS, LENGTHS_WORDS, bitmap_words
 
 FLOAT32_BYTES = 4
 FLOAT16_BYTES = 2
 WORD_BYTES = 4            # one int32 message word
-LENGTH_BYTES = 32         # per rank in the lengths all-gather: 4 int64 (words, format, n, count), see comm.py
+LENGTH_BYTES = 8 * LENGTHS_WORDS   # per rank in the lengths all-gather (gradshare.message)
 
 # Defaults measured on the project machine (one thread, a loaded 2-core host, 9M-element buffers): gradshare's
 # native encode ~5 ns/element and decode ~10 ns per received message word; fp16 compress + decompress
@@ -67,18 +67,26 @@ LATENCY_SECONDS = 100e-6  # one message round on a LAN
 
 
 # ----------------------------------------------------------------------------------------------- bytes
-def ring_allreduce_bytes(workers: int, elements: int, element_bytes: int = FLOAT32_BYTES) -> float:
+# The one home of what a collective sends: every byte count in gradshare (the exchange's statistics,
+# ParameterAveraging, the cost model, `gradshare plan`) comes from these functions. Whole bytes per worker.
+def ring_allreduce_bytes(workers: int, elements: int, element_bytes: int = FLOAT32_BYTES) -> int:
     """Bytes one worker sends in a ring allreduce of ``elements`` values: 2 (N-1)/N * elements * size."""
     _check(workers, elements)
-    return 2.0 * (workers - 1) / workers * elements * element_bytes
+    return 2 * (workers - 1) * elements * element_bytes // workers
 
 
-def dense_allreduce_bytes(workers: int, params: int) -> float:
+def fixed_allgather_bytes(workers: int, message_words: int) -> int:
+    """Bytes per worker of an all-gather of int32 messages whose length every rank knows (TopK, Ternary)."""
+    _check(workers, message_words)
+    return (workers - 1) * message_words * WORD_BYTES
+
+
+def dense_allreduce_bytes(workers: int, params: int) -> int:
     """Plain DDP (float32 gradients, ring allreduce)."""
     return ring_allreduce_bytes(workers, params, FLOAT32_BYTES)
 
 
-def fp16_allreduce_bytes(workers: int, params: int) -> float:
+def fp16_allreduce_bytes(workers: int, params: int) -> int:
     """DDP with ``fp16_compress_hook`` (or bf16): half the dense bytes."""
     return ring_allreduce_bytes(workers, params, FLOAT16_BYTES)
 
@@ -142,8 +150,8 @@ def sparse_message_words(params: int, density: float, fmt: str = "auto") -> int:
     raise ValueError(f"unknown message format {fmt!r}")
 
 
-def allgather_bytes(workers: int, message_words: int) -> float:
-    """Bytes per worker of the padded message all-gather plus the lengths all-gather."""
+def allgather_bytes(workers: int, message_words: int) -> int:
+    """Bytes per worker of the padded message all-gather plus the lengths all-gather (varying lengths)."""
     _check(workers, message_words)
     return (workers - 1) * (message_words * WORD_BYTES + LENGTH_BYTES)
 

@@ -27,6 +27,7 @@ from torch import nn
 from gradshare import data as gdata
 from gradshare import metrics as gmetrics
 from gradshare.averaging import ParameterAveraging
+from gradshare.stats import ReportsTraffic
 
 MODES = ("shared_gradients", "averaging")
 OptimizerSpec = Union[Callable[..., torch.optim.Optimizer], Tuple[type, Dict[str, Any]]]
@@ -194,10 +195,9 @@ def new_epoch_totals(comm: Tuple[int, int]) -> Dict[str, float]:
 
 def comm_totals(opt) -> Tuple[int, int]:
     """(bytes this rank sent, bytes a dense all-reduce at every step would have sent) so far."""
-    s = getattr(opt, "stats", None) if not isinstance(opt, ParameterAveraging) else opt
-    if s is None:
+    if not isinstance(opt, ReportsTraffic):
         return 0, 0
-    return int(getattr(s, "bytes_sent", 0) or 0), int(getattr(s, "dense_bytes", 0) or 0)
+    return int(opt.bytes_sent), int(opt.dense_bytes)
 
 
 def comm_step_info(opt) -> Dict[str, Any]:

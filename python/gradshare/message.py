@@ -42,6 +42,7 @@ import torch
 
 MAGIC_VERSION = 0x47530001
 HEADER_WORDS = 5
+LENGTHS_WORDS = 4       # int64 per rank in the lengths all-gather before a varying-length payload: words, format, n, count
 MAX_ELEMENTS = 2**31 - 1
 SPARSE, BITMAP, NONFINITE, TOPK, TERNARY, TOPK8, FAILED = 0, 1, 2, 3, 4, 5, 6
 FORMAT_NAMES = {SPARSE: "sparse", BITMAP: "bitmap", NONFINITE: "nonfinite", TOPK: "topk", TERNARY: "ternary",

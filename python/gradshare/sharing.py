@@ -151,6 +151,16 @@ class SharingFront:
         return self.sharing.step_skipped
 
     @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank has sent so far (gradshare.stats.ReportsTraffic)."""
+        return self.sharing.stats.bytes_sent
+
+    @property
+    def dense_bytes(self) -> int:
+        """Bytes a float32 all-reduce at every step would have sent (gradshare.stats.ReportsTraffic)."""
+        return self.sharing.stats.dense_bytes
+
+    @property
     def compression(self) -> Compression:
         """The policy every bucket encodes with (gradshare.compression)."""
         return self.sharing.compression

@@ -4,9 +4,11 @@ Every exchange adds a StepRecord (a few Python numbers, no tensor copies). Total
 and never truncated; the history keeps the last ``max_records`` records. The residual norm costs one
 pass over the residual, so it is computed only every ``norm_every`` steps (None on other steps).
 
-Byte counts are per rank, as a ring algorithm moves them: a padded all-gather of W rows of L words sends
-(W-1)*L*4 bytes (plus the small lengths exchange); a dense fp32 ring allreduce of n elements sends
-2*(W-1)/W*n*4 bytes. ``compression`` = dense_bytes / bytes_sent.
+Byte counts are per rank, as a ring algorithm moves them (gradshare.costmodel computes every one): a
+padded all-gather of W rows of L words sends (W-1)*L*4 bytes (plus the small lengths exchange); a dense
+fp32 ring allreduce of n elements sends 2*(W-1)/W*n*4 bytes. ``compression`` = dense_bytes / bytes_sent.
+Everything that exchanges (Statistics, ThresholdState, SharedOptimizer, ParameterAveraging) reports its
+totals the same way: :class:`ReportsTraffic`.
 
 Use ``stats.summary()`` or ``print(stats)`` for a run's figures, ``stats.to_csv(path)`` /
 ``stats.to_jsonl(path)`` for the history, and ``log_every`` / ``callback`` to watch a run live.
@@ -20,13 +22,25 @@ import math
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, TextIO, Union
+from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Protocol, TextIO, Union, runtime_checkable
 
 import torch
 
 log = logging.getLogger("gradshare")
 
 FORMATS = ("sparse", "bitmap", "dense", "skipped")
+
+
+@runtime_checkable
+class ReportsTraffic(Protocol):
+    """An object that counts its exchanges' bytes: what this rank sent, and what a float32 all-reduce of
+    the gradients at every step would have sent (per rank, ring model)."""
+
+    @property
+    def bytes_sent(self) -> int: ...
+
+    @property
+    def dense_bytes(self) -> int: ...
 
 
 @dataclass
