@@ -144,14 +144,21 @@ py::dict build_info() {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "gradshare native kernels (raw-pointer API; use gradshare.ops)";
   py::register_exception<gs::MessageError>(m, "MessageError", PyExc_ValueError);
-  m.def("count", &count);
-  m.def("encode", &encode);
-  m.def("encode_chunked", &encode_chunked);
-  m.def("decode", &decode);
-  m.def("average", &average);
+  // Argument names match python/gradshare/_C.pyi.
+  m.def("count", &count, py::arg("update"), py::arg("dtype"), py::arg("residual"), py::arg("n"), py::arg("tau"),
+        py::arg("cuda"), py::arg("stream"));
+  m.def("encode", &encode, py::arg("update"), py::arg("dtype"), py::arg("residual"), py::arg("n"), py::arg("tau"),
+        py::arg("clip"), py::arg("choice"), py::arg("out"), py::arg("capacity"), py::arg("cuda"), py::arg("stream"));
+  m.def("encode_chunked", &encode_chunked, py::arg("format"), py::arg("update"), py::arg("dtype"),
+        py::arg("residual"), py::arg("n"), py::arg("chunk"), py::arg("param"), py::arg("out"), py::arg("capacity"),
+        py::arg("cuda"), py::arg("stream"));
+  m.def("decode", &decode, py::arg("dst"), py::arg("n"), py::arg("msgs"), py::arg("num_msgs"), py::arg("row_words"),
+        py::arg("scale"), py::arg("cuda"), py::arg("stream"));
+  m.def("average", &average, py::arg("dst"), py::arg("srcs"), py::arg("weights"), py::arg("n"), py::arg("cuda"),
+        py::arg("stream"));
   m.def("build_info", &build_info);
   m.def("cpu_threads", &gs::cpu_threads);
-  m.def("set_cpu_threads", &gs::set_cpu_threads);
+  m.def("set_cpu_threads", &gs::set_cpu_threads, py::arg("threads"));
   m.attr("HEADER_WORDS") = gs::kHeaderWords;
   m.attr("MAGIC_VERSION") = gs::kMagicVersion;
 }

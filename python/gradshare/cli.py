@@ -14,9 +14,9 @@ _SUBCOMMANDS = {
 
 
 def _info(args) -> int:
-    from gradshare import __version__, build_info
+    from gradshare import build_info
 
-    print(json.dumps({"version": __version__, **build_info()}, indent=2))
+    print(json.dumps(build_info(), indent=2))     # "version": the native library's, set from __version__
     return 0
 
 

@@ -1,0 +1,32 @@
+"""Type stubs for gradshare's native library (csrc/bindings.cpp): a raw-pointer API; use gradshare.ops.
+
+Pointers are ``tensor.data_ptr()`` values; ``dtype`` codes and message formats are gradshare.ops's and
+gradshare.message's constants; ``stream`` is a CUDA stream handle (0 on CPU).
+"""
+from typing import Dict, List, Tuple, Union
+
+HEADER_WORDS: int
+MAGIC_VERSION: int
+
+class MessageError(ValueError): ...
+
+def count(update: int, dtype: int, residual: int, n: int, tau: float, cuda: bool, stream: int) -> Tuple[int, int]:
+    """(entries whose |residual + update| >= tau, first non-finite index or -1)."""
+
+def encode(update: int, dtype: int, residual: int, n: int, tau: float, clip: float, choice: int, out: int,
+           capacity: int, cuda: bool, stream: int) -> Tuple[int, int, int, int]:
+    """Strom +-tau encoding with fused residual update: (message words, entries, first non-finite index, format)."""
+
+def encode_chunked(format: int, update: int, dtype: int, residual: int, n: int, chunk: int, param: float, out: int,
+                   capacity: int, cuda: bool, stream: int) -> Tuple[int, int, int]:
+    """Top-k or ternary per chunk with fused residual update: (message words, entries, first non-finite index)."""
+
+def decode(dst: int, n: int, msgs: int, num_msgs: int, row_words: int, scale: float, cuda: bool, stream: int) -> None:
+    """Adds scale * each message row into dst (bounds-checked; raises MessageError on a bad message)."""
+
+def average(dst: int, srcs: List[int], weights: List[float], n: int, cuda: bool, stream: int) -> None:
+    """dst = sum of weights[i] * srcs[i] (equal weights when empty)."""
+
+def build_info() -> Dict[str, Union[bool, int, str]]: ...
+def cpu_threads() -> int: ...
+def set_cpu_threads(threads: int) -> None: ...
