@@ -10,6 +10,7 @@ judged by.
 - ``char_lm``: a 4-layer causal transformer (d=96, 4 heads, context 64, 0.5M parameters) on the bytes of
   Python's own standard library sources (the text ships with every Python), AdamW lr 3e-3, weight decay
   0.01, batch 16 windows per rank; judged by validation loss on held-out modules.
+- ``char_lm_1200``: the same for 1200 steps (local steps at H=20 get 60 rounds instead of 15).
 """
 from __future__ import annotations
 
@@ -129,6 +130,9 @@ WORKLOADS: Dict[str, Workload] = {
     "bn_cnn": Workload("bn_cnn", BNNet, _sgd(weight_decay=5e-4), 32, 938, "accuracy"),
     "char_lm": Workload("char_lm", CharLM, lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.01), 16, 300,
                         "loss"),
+    # the same, four times longer: local steps get 60 rounds at H=20 instead of 15
+    "char_lm_1200": Workload("char_lm_1200", CharLM, lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.01),
+                             16, 1200, "loss"),
 }
 
 
@@ -138,7 +142,7 @@ class Data:
 
     def __init__(self, workload: str, seed: int, data_dir: str = MNIST_DIR):
         self.workload, self.seed = workload, seed
-        if workload == "char_lm":
+        if workload.startswith("char_lm"):
             self.train, self.valid = stdlib_bytes(TRAIN_MODULES), stdlib_bytes(VALID_MODULES)
         else:
             from gradshare.data import load_mnist
@@ -147,7 +151,7 @@ class Data:
             self.train, self.valid = train.tensors, test.tensors
 
     def batch(self, step: int, rank: int, world: int, size: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        if self.workload == "char_lm":
+        if self.workload.startswith("char_lm"):
             g = torch.Generator().manual_seed(self.seed * 100003 + step)
             starts = torch.randint(0, len(self.train) - CONTEXT - 1, (world, size), generator=g)[rank]
             seq = self.train[starts[:, None] + torch.arange(CONTEXT + 1)]
@@ -167,7 +171,7 @@ class Data:
     def evaluate(self, model: nn.Module) -> float:
         was = model.training
         model.eval()
-        if self.workload == "char_lm":
+        if self.workload.startswith("char_lm"):
             starts = torch.arange(0, len(self.valid) - CONTEXT - 1, CONTEXT)[:512]
             total = 0.0
             for i in range(0, len(starts), 128):
