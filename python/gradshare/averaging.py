@@ -189,7 +189,12 @@ class ParameterAveraging(WrappedOptimizer):
         self.rounds += 1
         if world <= 1:
             return
-        ts = self.tensors()
+        self._average_dense(self.tensors(), world)
+
+    def _average_dense(self, ts: List[torch.Tensor], world: int) -> None:
+        """``ts`` replaced by their mean over the group: one all-reduce of one flat float32 buffer."""
+        if not ts:
+            return
         flat = self._flatten(ts)
         dist.all_reduce(flat, group=self.process_group)
         ops.average([flat], weights=[1.0 / world], out=flat)
@@ -213,13 +218,7 @@ class ParameterAveraging(WrappedOptimizer):
             before = sh.stats.bytes_sent
             sh.share_updates(outer=self.outer)
             self.bytes_sent += sh.stats.bytes_sent - before
-            buffers = [b for b in self.model.buffers() if b.is_floating_point()]
-            if buffers:
-                flat = self._flatten(buffers)
-                dist.all_reduce(flat, group=self.process_group)
-                ops.average([flat], weights=[1.0 / world], out=flat)
-                self._unflatten(flat, buffers)
-                self.bytes_sent += ring_allreduce_bytes(world, flat.numel())
+            self._average_dense([b for b in self.model.buffers() if b.is_floating_point()], world)
         self.rounds += 1
         self._round_open = False
 
