@@ -38,22 +38,22 @@ py::tuple count(uintptr_t update, int32_t dtype, uintptr_t residual, int64_t n, 
   return py::make_tuple(r.count, r.nonfinite_index);
 }
 
-py::tuple encode(uintptr_t update, int32_t dtype, uintptr_t residual, int64_t n, float tau, float clip,
+py::tuple encode(uintptr_t update, int32_t dtype, uintptr_t residual, uintptr_t kept, int64_t n, float tau, float clip,
                  int32_t choice, uintptr_t out, int64_t capacity, bool cuda, uintptr_t stream) {
   EncodeResult r;
   {
     py::gil_scoped_release nogil;
     if (cuda) {
 #ifdef GS_HAVE_CUDA
-      r = gs::encode_cuda(ptr<const void>(update), dtype, ptr<float>(residual), n, tau, clip, choice,
-                          ptr<int32_t>(out), capacity, ptr<void>(stream));
+      r = gs::encode_cuda(ptr<const void>(update), dtype, ptr<const float>(residual), ptr<float>(kept), n, tau, clip,
+                          choice, ptr<int32_t>(out), capacity, ptr<void>(stream));
 #else
       (void)stream;
       no_cuda();
 #endif
     } else {
-      r = gs::encode_cpu(ptr<const void>(update), dtype, ptr<float>(residual), n, tau, clip, choice,
-                         ptr<int32_t>(out), capacity);
+      r = gs::encode_cpu(ptr<const void>(update), dtype, ptr<const float>(residual), ptr<float>(kept), n, tau, clip,
+                         choice, ptr<int32_t>(out), capacity);
     }
   }
   return py::make_tuple(r.length, r.count, r.nonfinite_index, r.format);
@@ -61,28 +61,30 @@ py::tuple encode(uintptr_t update, int32_t dtype, uintptr_t residual, int64_t n,
 
 // Top-k / 8-bit top-k (param = k) or ternary (param = fraction) encode, `format` the message format code;
 // returns (length, entries, first bad).
-py::tuple encode_chunked(int32_t format, uintptr_t update, int32_t dtype, uintptr_t residual, int64_t n, int64_t chunk,
-                         double param, uintptr_t out, int64_t capacity, bool cuda, uintptr_t stream) {
+py::tuple encode_chunked(int32_t format, uintptr_t update, int32_t dtype, uintptr_t residual, uintptr_t kept, int64_t n,
+                         int64_t chunk, double param, uintptr_t out, int64_t capacity, bool cuda, uintptr_t stream) {
   gs::ChunkedResult r;
   {
     py::gil_scoped_release nogil;
     if (cuda) {
 #ifdef GS_HAVE_CUDA
       r = format != gs::kTernary
-              ? gs::encode_topk_cuda(ptr<const void>(update), dtype, ptr<float>(residual), n, chunk,
-                                     static_cast<int64_t>(param), format, ptr<int32_t>(out), capacity, ptr<void>(stream))
-               : gs::encode_ternary_cuda(ptr<const void>(update), dtype, ptr<float>(residual), n, chunk,
-                                         static_cast<float>(param), ptr<int32_t>(out), capacity, ptr<void>(stream));
+              ? gs::encode_topk_cuda(ptr<const void>(update), dtype, ptr<const float>(residual), ptr<float>(kept), n,
+                                     chunk, static_cast<int64_t>(param), format, ptr<int32_t>(out), capacity,
+                                     ptr<void>(stream))
+               : gs::encode_ternary_cuda(ptr<const void>(update), dtype, ptr<const float>(residual), ptr<float>(kept),
+                                         n, chunk, static_cast<float>(param), ptr<int32_t>(out), capacity,
+                                         ptr<void>(stream));
 #else
       (void)stream;
       no_cuda();
 #endif
     } else {
       r = format != gs::kTernary
-              ? gs::encode_topk_cpu(ptr<const void>(update), dtype, ptr<float>(residual), n, chunk,
-                                    static_cast<int64_t>(param), format, ptr<int32_t>(out), capacity)
-               : gs::encode_ternary_cpu(ptr<const void>(update), dtype, ptr<float>(residual), n, chunk,
-                                        static_cast<float>(param), ptr<int32_t>(out), capacity);
+              ? gs::encode_topk_cpu(ptr<const void>(update), dtype, ptr<const float>(residual), ptr<float>(kept), n,
+                                    chunk, static_cast<int64_t>(param), format, ptr<int32_t>(out), capacity)
+               : gs::encode_ternary_cpu(ptr<const void>(update), dtype, ptr<const float>(residual), ptr<float>(kept),
+                                        n, chunk, static_cast<float>(param), ptr<int32_t>(out), capacity);
     }
   }
   return py::make_tuple(r.length, r.entries, r.nonfinite_index);
@@ -147,11 +149,12 @@ PYBIND11_MODULE(_C, m) {
   // Argument names match python/gradshare/_C.pyi.
   m.def("count", &count, py::arg("update"), py::arg("dtype"), py::arg("residual"), py::arg("n"), py::arg("tau"),
         py::arg("cuda"), py::arg("stream"));
-  m.def("encode", &encode, py::arg("update"), py::arg("dtype"), py::arg("residual"), py::arg("n"), py::arg("tau"),
-        py::arg("clip"), py::arg("choice"), py::arg("out"), py::arg("capacity"), py::arg("cuda"), py::arg("stream"));
+  m.def("encode", &encode, py::arg("update"), py::arg("dtype"), py::arg("residual"), py::arg("kept"), py::arg("n"),
+        py::arg("tau"), py::arg("clip"), py::arg("choice"), py::arg("out"), py::arg("capacity"), py::arg("cuda"),
+        py::arg("stream"));
   m.def("encode_chunked", &encode_chunked, py::arg("format"), py::arg("update"), py::arg("dtype"),
-        py::arg("residual"), py::arg("n"), py::arg("chunk"), py::arg("param"), py::arg("out"), py::arg("capacity"),
-        py::arg("cuda"), py::arg("stream"));
+        py::arg("residual"), py::arg("kept"), py::arg("n"), py::arg("chunk"), py::arg("param"), py::arg("out"),
+        py::arg("capacity"), py::arg("cuda"), py::arg("stream"));
   m.def("decode", &decode, py::arg("dst"), py::arg("n"), py::arg("msgs"), py::arg("num_msgs"), py::arg("row_words"),
         py::arg("scale"), py::arg("cuda"), py::arg("stream"));
   m.def("average", &average, py::arg("dst"), py::arg("srcs"), py::arg("weights"), py::arg("n"), py::arg("cuda"),

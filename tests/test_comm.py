@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from gradshare import ops
-from gradshare.comm import NonFiniteStepError, exchange, exchange_async, prefers_dense
+from gradshare.comm import NonFiniteStepError, any_nonfinite, exchange, exchange_async, prefers_dense
 from gradshare.costmodel import allgather_bytes, ring_allreduce_bytes
 from gradshare.message import HEADER_WORDS
 from gradshare.workers import run_local
@@ -108,6 +108,21 @@ def test_dense_fallback_sends_residual_plus_update_and_zeroes_residual():
             np.testing.assert_allclose(r["out"], mean, rtol=1e-5, atol=1e-7)
             assert r["bytes"] >= r["dense"]
         assert np.array_equal(res[0]["out"], res[1]["out"])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_any_nonfinite_finds_one_bad_element_and_not_a_finite_overflow(bad, dtype):
+    big = torch.finfo(dtype).max
+    finite = [torch.randn(1000).to(dtype), torch.full((4,), big, dtype=dtype)]   # sums overflow, all finite
+    assert any_nonfinite(finite).tolist() == [0.0]
+    assert any_nonfinite([]).tolist() == [0.0]
+    for where in (0, 511, 999):
+        t = torch.randn(1000).to(dtype)
+        t[where] = bad
+        assert any_nonfinite(finite + [t]).tolist() == [1.0], where
+    both = torch.tensor([float("inf"), float("-inf")], dtype=dtype)            # sums to NaN
+    assert any_nonfinite([both]).tolist() == [1.0]
 
 
 def test_break_even_rule():

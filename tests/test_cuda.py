@@ -530,3 +530,20 @@ def test_chunked_mutations_rejected_like_cpu(kind):
             assert_bits_equal(d_gpu, d_cpu)
         else:
             assert_bits_equal(d_gpu, before)
+
+
+@pytest.mark.parametrize("kind", ["strom", "topk", "topk8", "ternary"])
+@pytest.mark.parametrize("n", [1, 4097, 2**20 + 7])
+def test_kept_on_the_gpu_matches_in_place_on_the_cpu(kind, n):
+    update, residual = make_state(n, 0.05, seed=n)
+    enc = {"strom": lambda u, r, **kw: ops.encode(u, r, 1.0, clip=0.5, **kw),
+           "topk": lambda u, r, **kw: ops.encode_topk(u, r, 41, chunk=4096, **kw),
+           "topk8": lambda u, r, **kw: ops.encode_topk(u, r, 82, chunk=4096, values="int8", **kw),
+           "ternary": lambda u, r, **kw: ops.encode_ternary(u, r, 0.5, chunk=4096, **kw)}[kind]
+    r_cpu = residual.clone()
+    m_cpu = enc(update, r_cpu)
+    r_gpu, kept = gpu(residual), torch.zeros(n, device=DEV)
+    m_gpu = enc(gpu(update), r_gpu, kept=kept)
+    assert_bits_equal(m_gpu, m_cpu)
+    assert_bits_equal(kept, r_cpu)
+    assert_bits_equal(r_gpu, residual)

@@ -442,3 +442,81 @@ def test_torch_compile_inductor_fullgraph_custom_ops():
     assert_bits_equal(d2, d1)
     assert_bits_equal(compiled[0], eager[0])
     assert compiled[1].tolist() == eager[1].tolist()
+
+
+# ---------------------------------------------------------------------------------------------------
+# kept=: what is not sent goes to another buffer and the residual is only read (gradshare.sharing)
+# ---------------------------------------------------------------------------------------------------
+
+def _encoders():
+    return {"strom_sparse": lambda u, r, **kw: ops.encode(u, r, 1.0, format="sparse", **kw),
+            "strom_bitmap_clip": lambda u, r, **kw: ops.encode(u, r, 1.0, format="bitmap", clip=0.5, **kw),
+            "topk_bf16": lambda u, r, **kw: ops.encode_topk(u, r, 41, chunk=4096, **kw),
+            "topk_int8": lambda u, r, **kw: ops.encode_topk(u, r, 82, chunk=4096, values="int8", **kw),
+            "ternary": lambda u, r, **kw: ops.encode_ternary(u, r, 0.5, chunk=4096, **kw)}
+
+
+@pytest.mark.parametrize("kind", sorted(_encoders()))
+@pytest.mark.parametrize("n", [0, 1, 17, 4097, 2 * CHUNK + 9, BIG])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_kept_gets_what_in_place_keeps_and_the_residual_is_only_read(kind, n, dtype):
+    enc = _encoders()[kind]
+    update, residual = make_state(n, 0.05, dtype=dtype, seed=n)
+    in_place = residual.clone()
+    m_in_place = enc(update, in_place)
+    before, kept = residual.clone(), torch.full((n,), 7.0)
+    m_kept = enc(update, residual, kept=kept)
+    assert_bits_equal(m_kept, m_in_place)
+    assert_bits_equal(kept, in_place)
+    assert_bits_equal(residual, before)
+    again = residual.clone()                                   # kept=residual is the in-place call
+    assert_bits_equal(enc(update, again, kept=again), m_in_place)
+    assert_bits_equal(again, in_place)
+
+
+@pytest.mark.parametrize("kind", sorted(_encoders()))
+def test_kept_nonfinite_leaves_the_residual(kind):
+    enc = _encoders()[kind]
+    update, residual = make_state(3 * 4096, 0.05, seed=3)
+    update[4100] = float("nan")
+    before = residual.clone()
+    try:
+        msg = enc(update, residual, kept=torch.zeros(3 * 4096))
+        assert msgfmt.parse_header(msg).format == NONFINITE
+    except gradshare.NonFiniteError:
+        pass
+    assert_bits_equal(residual, before)
+
+
+def test_kept_refuses_overlap_size_and_dtype():
+    update, residual = make_state(64, 0.05)
+    both = torch.zeros(128)
+    with pytest.raises(ValueError, match="kept: shares memory with update"):
+        ops.encode_topk(update, residual, 4, chunk=64, kept=update)
+    with pytest.raises(ValueError, match="kept: overlaps residual"):
+        ops.encode(update, both[:64], 1.0, kept=both[32:96])
+    with pytest.raises(ValueError, match="kept: 10 elements"):
+        ops.encode_ternary(update, residual, 0.5, chunk=64, kept=torch.zeros(10))
+    with pytest.raises(TypeError, match="kept: dtype float16"):
+        ops.encode(update, residual, 1.0, kept=torch.zeros(64, dtype=torch.float16))
+    before = residual.clone()
+    with pytest.raises(ValueError):
+        ops.encode(update, residual, 1.0, kept=update)
+    assert_bits_equal(residual, before)
+
+
+def test_kept_under_a_torch_function_mode_takes_the_registered_op():
+    # Tracing sees only the in-place ops: kept takes a copy of the residual and the op runs on it.
+    update, residual = make_state(5000, 0.05)
+    in_place = residual.clone()
+    m_in_place = ops.encode_topk(update, in_place, 41, chunk=4096)
+    class Passthrough(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    kept, before = torch.zeros(5000), residual.clone()
+    with Passthrough():
+        m = ops.encode_topk(update, residual, 41, chunk=4096, kept=kept)
+    assert_bits_equal(m, m_in_place)
+    assert_bits_equal(kept, in_place)
+    assert_bits_equal(residual, before)

@@ -6,8 +6,9 @@
 //
 // Two phases. Phase 1 (parallel over chunks) computes u = residual + update into a per-thread scratch
 // chunk, checks it is finite and writes the chunk's part of the message. Phase 2 runs only when every
-// chunk was finite: it recomputes u and writes the residual (u, minus what was sent). A non-finite u
-// anywhere leaves the residual exactly as it was and turns the message into a marker of the same length.
+// chunk was finite: it recomputes u and writes the kept residual (u, minus what was sent) into `kept`: the
+// residual itself, or a buffer that does not overlap it (the residual is then only read). A non-finite u
+// anywhere writes neither and turns the message into a marker of the same length.
 #include <algorithm>
 #include <vector>
 #include "cpu/parallel.h"
@@ -99,8 +100,8 @@ void pack_topk(int32_t format, const float* u, const int32_t* sel, int64_t kc, i
 }  // namespace
 
 // Top-k (format kTopK: bfloat16 values) or 8-bit top-k (kTopK8): the same selection, two layouts.
-ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, float* residual, int64_t n, int64_t chunk,
-                              int64_t k, int32_t format, int32_t* out, int64_t capacity) {
+ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n,
+                              int64_t chunk, int64_t k, int32_t format, int32_t* out, int64_t capacity) {
   const int64_t words = check_chunked_args(format, dtype, n, chunk, k, 0.0f, capacity);
   const int64_t nch = (n + chunk - 1) / chunk, stride = chunk_stride(format, chunk, k);
   std::vector<int64_t> bad(static_cast<size_t>(nch), -1);
@@ -130,31 +131,31 @@ ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, float* residual
     write_marker(out, words, n, b);
     return {words, 0, b};
   }
-  // Phase 2: residual = u, minus the value sent for each entry (exact in float32 for bf16 values).
+  // Phase 2: kept = u, minus the value sent for each entry (exact in float32 for bf16 values).
   GS_PARALLEL_FOR(n >= kParallelMin)
   for (int64_t c = 0; c < nch; ++c) {
     const int64_t lo = c * chunk, len = chunk_len(n, chunk, c), kc = topk_k(k, len, chunk);
     switch (dtype) {
       case kFloat16:
-        for (int64_t j = 0; j < len; ++j) residual[lo + j] += load_as_float(update, kFloat16, lo + j);
+        for (int64_t j = 0; j < len; ++j) kept[lo + j] = residual[lo + j] + load_as_float(update, kFloat16, lo + j);
         break;
       case kBFloat16:
-        for (int64_t j = 0; j < len; ++j) residual[lo + j] += load_as_float(update, kBFloat16, lo + j);
+        for (int64_t j = 0; j < len; ++j) kept[lo + j] = residual[lo + j] + load_as_float(update, kBFloat16, lo + j);
         break;
       default: {
         const float* g = static_cast<const float*>(update);
-        for (int64_t j = 0; j < len; ++j) residual[lo + j] += g[lo + j];
+        for (int64_t j = 0; j < len; ++j) kept[lo + j] = residual[lo + j] + g[lo + j];
       }
     }
     const int32_t* w = payload + c * stride;
     if (format == kTopK) {
       for (int64_t i = 0; i < kc; ++i) {
         const uint32_t e = static_cast<uint32_t>(w[i]);
-        residual[lo + (e & 0xffffu)] -= bf16_bits_to_float(static_cast<uint16_t>(e >> 16));
+        kept[lo + (e & 0xffffu)] -= bf16_bits_to_float(static_cast<uint16_t>(e >> 16));
       }
     } else {
       const float s = bits_to_float(w[0]);
-      for (int64_t i = 0; i < kc; ++i) residual[lo + topk8_index(w, i)] -= topk8_entry(topk8_value(w, kc, i), s);
+      for (int64_t i = 0; i < kc; ++i) kept[lo + topk8_index(w, i)] -= topk8_entry(topk8_value(w, kc, i), s);
     }
   }
   write_header(out, format, n, chunk, 0.0f);
@@ -190,7 +191,8 @@ alignas(64) constexpr uint32_t kBit[16] = {1u << 0, 1u << 1, 1u << 2, 1u << 3, 1
                                            1u << 8, 1u << 9, 1u << 10, 1u << 11, 1u << 12, 1u << 13, 1u << 14, 1u << 15};
 
 template <int DT>
-void ternary_residual(const void* update, float* residual, int64_t lo, int64_t len, const int32_t* w) {
+void ternary_residual(const void* update, const float* residual, float* kept, int64_t lo, int64_t len,
+                      const int32_t* w) {
   const float scale = bits_to_float(w[0]);
   const int64_t words = (len + 15) / 16;
   for (int64_t q = 0; q < words; ++q) {
@@ -201,13 +203,13 @@ void ternary_residual(const void* update, float* residual, int64_t lo, int64_t l
       for (int b = 0; b < 16; ++b) {  // x - 0.0f is x, so the unsent elements need no branch
         const float x = residual[base + b] + load_as_float(update, DT, base + b);
         const float sent = (present & kBit[b]) ? ((negative & kBit[b]) ? -scale : scale) : 0.0f;
-        residual[base + b] = x - sent;
+        kept[base + b] = x - sent;
       }
     } else {
       for (int64_t b = 0; b < m; ++b) {
         const float x = residual[base + b] + load_as_float(update, DT, base + b);
         const float sent = (present & kBit[b]) ? ((negative & kBit[b]) ? -scale : scale) : 0.0f;
-        residual[base + b] = x - sent;
+        kept[base + b] = x - sent;
       }
     }
   }
@@ -215,8 +217,8 @@ void ternary_residual(const void* update, float* residual, int64_t lo, int64_t l
 
 }  // namespace
 
-ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, float* residual, int64_t n, int64_t chunk,
-                                 float fraction, int32_t* out, int64_t capacity) {
+ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n,
+                                 int64_t chunk, float fraction, int32_t* out, int64_t capacity) {
   const int64_t words = check_chunked_args(kTernary, dtype, n, chunk, 0, fraction, capacity);
   const int64_t nch = (n + chunk - 1) / chunk, per_full = ternary_chunk_words(chunk);
   std::vector<int64_t> bad(static_cast<size_t>(nch), -1), entries(static_cast<size_t>(nch), 0);
@@ -262,15 +264,15 @@ ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, float* resid
     write_marker(out, words, n, b);
     return {words, 0, b};
   }
-  // Phase 2: residual = u, minus +-scale where sent.
+  // Phase 2: kept = u, minus +-scale where sent.
   GS_PARALLEL_FOR(n >= kParallelMin)
   for (int64_t c = 0; c < nch; ++c) {
     const int64_t lo = c * chunk, len = chunk_len(n, chunk, c);
     const int32_t* w = payload + c * per_full;
     switch (dtype) {
-      case kFloat16: ternary_residual<kFloat16>(update, residual, lo, len, w); break;
-      case kBFloat16: ternary_residual<kBFloat16>(update, residual, lo, len, w); break;
-      default: ternary_residual<kFloat32>(update, residual, lo, len, w);
+      case kFloat16: ternary_residual<kFloat16>(update, residual, kept, lo, len, w); break;
+      case kBFloat16: ternary_residual<kBFloat16>(update, residual, kept, lo, len, w); break;
+      default: ternary_residual<kFloat32>(update, residual, kept, lo, len, w);
     }
   }
   int64_t total = 0;

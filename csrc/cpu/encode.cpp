@@ -4,7 +4,8 @@
 // Two passes over the data. The count pass reads update + residual, counts per chunk, checks finiteness and
 // stores a hit mask: one bit per element (one uint64_t per 64-element block) telling whether u reaches tau.
 // The write pass then works in 64-element blocks: a block whose mask word is 0 (almost all of them at the
-// usual densities) only stores kept = u (clipped), and the signed indices / bitmap words are built from the
+// usual densities) only stores kept = u (clipped) (into `kept`: the residual itself, or another buffer so
+// that the residual is only read), and the signed indices / bitmap words are built from the
 // hit mask and a negative-sign mask of the block instead of being searched for element by element.
 #include <algorithm>
 #include <cstring>
@@ -126,20 +127,24 @@ inline float kept_silent(float u, float clip) {
 }
 
 // Block without hits: kept = u (clipped). A plain element-wise update, vectorised for every dtype.
+// `kept` is the residual itself or a buffer that does not overlap it: element j is read before it is written.
 template <int DT, bool CLIP>
-inline void step_silent(const void* update, float* residual, int64_t b, int64_t len, float clip) {
+inline void step_silent(const void* update, const float* residual, float* kept, int64_t b, int64_t len,
+                        float clip) {
   for (int64_t j = 0; j < len; ++j)
-    residual[b + j] = kept_silent<CLIP>(residual[b + j] + upd<DT>(update, b + j), clip);
+    kept[b + j] = kept_silent<CLIP>(residual[b + j] + upd<DT>(update, b + j), clip);
 }
 
 // Block with hits: threshold_step on each element; returns the mask of elements that went negative.
 template <int DT, bool CLIP>
-inline uint64_t step_hits(const void* update, float* residual, int64_t b, int64_t len, float tau, float clip) {
+inline uint64_t step_hits(const void* update, const float* residual, float* kept, int64_t b, int64_t len, float tau,
+                          float clip) {
   const float c = CLIP ? clip : 0.0f;  // threshold_step clips only when clip > 0
 #ifdef GS_SSE2
   if (DT == kFloat32 && len == kBlock) {  // threshold_step's selects as masks (pos and neg never both hold)
     const float* g = static_cast<const float*>(update) + b;
-    float* r = residual + b;
+    const float* r = residual + b;
+    float* o = kept + b;
     const __m128 vt = _mm_set1_ps(tau), vnt = _mm_set1_ps(-tau), vc = _mm_set1_ps(c), vnc = _mm_set1_ps(-c);
     uint64_t neg_bits = 0;
     for (int k = 0; k < kBlock; k += 4) {
@@ -148,7 +153,7 @@ inline uint64_t step_hits(const void* update, float* residual, int64_t b, int64_
       __m128 kept = _mm_or_ps(_mm_or_ps(_mm_and_ps(pos, _mm_sub_ps(u, vt)), _mm_and_ps(neg, _mm_add_ps(u, vt))),
                               _mm_andnot_ps(_mm_or_ps(pos, neg), u));
       if (CLIP) kept = _mm_max_ps(_mm_min_ps(kept, vc), vnc);  // same order as threshold_step; u is finite
-      _mm_storeu_ps(r + k, kept);
+      _mm_storeu_ps(o + k, kept);
       neg_bits |= static_cast<uint64_t>(_mm_movemask_ps(neg)) << k;
     }
     return neg_bits;
@@ -157,18 +162,18 @@ inline uint64_t step_hits(const void* update, float* residual, int64_t b, int64_
   uint8_t negative[kBlock];
   if (len < kBlock) std::memset(negative, 0, sizeof negative);
   for (int64_t j = 0; j < len; ++j) {
-    float kept;
-    negative[j] = static_cast<uint8_t>(threshold_step(residual[b + j] + upd<DT>(update, b + j), tau, c, &kept) < 0);
-    residual[b + j] = kept;
+    float k;
+    negative[j] = static_cast<uint8_t>(threshold_step(residual[b + j] + upd<DT>(update, b + j), tau, c, &k) < 0);
+    kept[b + j] = k;
   }
   return pack_flags(negative);
 }
 
-// Pass 2: update the residual and write the payload from the hit mask. Sparse: chunk c writes its signed
+// Pass 2: write the kept residual and the payload from the hit mask. Sparse: chunk c writes its signed
 // 1-based indices, ascending, at offsets[c]. Bitmap: 16 elements per word, bit k present, bit k + 16 negative.
 template <int DT, bool CLIP, bool BITMAP>
-void write_chunks(const void* update, float* residual, int64_t n, float tau, float clip, const uint64_t* hits,
-                  const int64_t* offsets, int32_t* payload) {
+void write_chunks(const void* update, const float* residual, float* kept, int64_t n, float tau, float clip,
+                  const uint64_t* hits, const int64_t* offsets, int32_t* payload) {
   const int64_t nch = num_chunks(n);
   GS_PARALLEL_FOR(n >= kParallelMin)
   for (int64_t c = 0; c < nch; ++c) {
@@ -178,9 +183,9 @@ void write_chunks(const void* update, float* residual, int64_t n, float tau, flo
       const int64_t len = std::min(kBlock, hi - b);
       uint64_t hit = hits[b / kBlock], neg = 0;
       if (hit == 0)
-        step_silent<DT, CLIP>(update, residual, b, len, clip);
+        step_silent<DT, CLIP>(update, residual, kept, b, len, clip);
       else
-        neg = step_hits<DT, CLIP>(update, residual, b, len, tau, clip);
+        neg = step_hits<DT, CLIP>(update, residual, kept, b, len, tau, clip);
       if (BITMAP) {
         // Both masks are 0 past n, so the last word's unused bits are 0 too.
         for (int64_t k = 0; 16 * k < len; ++k) {
@@ -200,17 +205,17 @@ void write_chunks(const void* update, float* residual, int64_t n, float tau, flo
 }
 
 template <int DT, bool BITMAP>
-void write_payload(const void* update, float* residual, int64_t n, float tau, float clip, const uint64_t* hits,
-                   const int64_t* offsets, int32_t* payload) {
+void write_payload(const void* update, const float* residual, float* kept, int64_t n, float tau, float clip,
+                   const uint64_t* hits, const int64_t* offsets, int32_t* payload) {
   if (clip > 0.0f)
-    write_chunks<DT, true, BITMAP>(update, residual, n, tau, clip, hits, offsets, payload);
+    write_chunks<DT, true, BITMAP>(update, residual, kept, n, tau, clip, hits, offsets, payload);
   else
-    write_chunks<DT, false, BITMAP>(update, residual, n, tau, clip, hits, offsets, payload);
+    write_chunks<DT, false, BITMAP>(update, residual, kept, n, tau, clip, hits, offsets, payload);
 }
 
 template <int DT>
-EncodeResult encode_t(const void* update, float* residual, int64_t n, float tau, float clip, int32_t choice,
-                      int32_t* out, int64_t capacity) {
+EncodeResult encode_t(const void* update, const float* residual, float* kept, int64_t n, float tau, float clip,
+                      int32_t choice, int32_t* out, int64_t capacity) {
   const int64_t nch = num_chunks(n);
   std::vector<int64_t> counts(nch), first_bad(nch);
   // Scratch of n/8 bytes, left uninitialised: the count pass writes every word.
@@ -221,7 +226,7 @@ EncodeResult encode_t(const void* update, float* residual, int64_t n, float tau,
     if (r.nonfinite_index < 0 && first_bad[c] >= 0) r.nonfinite_index = first_bad[c];
     r.count += counts[c];
   }
-  if (r.nonfinite_index >= 0) return r;  // nothing written: the residual stays as it was
+  if (r.nonfinite_index >= 0) return r;  // nothing written: the residual (and kept) stay as they were
 
   r.format = choose_format(choice, r.count, n, capacity);
   const int64_t need = kHeaderWords + payload_words(r.format, n, r.count);
@@ -233,9 +238,9 @@ EncodeResult encode_t(const void* update, float* residual, int64_t n, float tau,
       counts[c] = acc;
       acc += k;
     }
-    write_payload<DT, false>(update, residual, n, tau, clip, hits.get(), counts.data(), out + kHeaderWords);
+    write_payload<DT, false>(update, residual, kept, n, tau, clip, hits.get(), counts.data(), out + kHeaderWords);
   } else {
-    write_payload<DT, true>(update, residual, n, tau, clip, hits.get(), nullptr, out + kHeaderWords);
+    write_payload<DT, true>(update, residual, kept, n, tau, clip, hits.get(), nullptr, out + kHeaderWords);
   }
   r.length = need;
   return r;
@@ -265,13 +270,13 @@ CountResult count_cpu(const void* update, int32_t dtype, const float* residual, 
   }
 }
 
-EncodeResult encode_cpu(const void* update, int32_t dtype, float* residual, int64_t n, float tau, float clip,
-                        int32_t choice, int32_t* out, int64_t capacity) {
+EncodeResult encode_cpu(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n, float tau,
+                        float clip, int32_t choice, int32_t* out, int64_t capacity) {
   check_encode_args(dtype, n, tau, clip, choice, capacity);
   switch (dtype) {
-    case kFloat16: return encode_t<kFloat16>(update, residual, n, tau, clip, choice, out, capacity);
-    case kBFloat16: return encode_t<kBFloat16>(update, residual, n, tau, clip, choice, out, capacity);
-    default: return encode_t<kFloat32>(update, residual, n, tau, clip, choice, out, capacity);
+    case kFloat16: return encode_t<kFloat16>(update, residual, kept, n, tau, clip, choice, out, capacity);
+    case kBFloat16: return encode_t<kBFloat16>(update, residual, kept, n, tau, clip, choice, out, capacity);
+    default: return encode_t<kFloat32>(update, residual, kept, n, tau, clip, choice, out, capacity);
   }
 }
 

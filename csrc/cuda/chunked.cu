@@ -8,8 +8,8 @@
 //            ternary: one warp per chunk. Lane j sums elements j, j+32, ... in turn and the warp shuffles
 //            form the same pairwise tree as the CPU's lane_tree; ballots build the code words.
 //            Both record the first non-finite u (atomicMin) instead of writing the residual.
-//   phase 2  after one stream sync (the host must know whether to send a marker): residual = u minus
-//            what was sent, one thread per element.
+//   phase 2  after one stream sync (the host must know whether to send a marker): kept = u minus what
+//            was sent, one thread per element (`kept`: the residual itself, or a buffer apart from it).
 #include <cub/block/block_scan.cuh>
 #include <string>
 
@@ -139,19 +139,19 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void __launch_bounds__(kThreads)
-    add_update_kernel(const void* update, int32_t dtype, float* residual, int64_t n) {
+    add_update_kernel(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n) {
   const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
-  if (i < n) residual[i] = u_at(update, dtype, residual, i);
+  if (i < n) kept[i] = u_at(update, dtype, residual, i);
 }
 
-// One thread per chunk (a chunk's entries are distinct elements): the residual gives up what was sent.
+// One thread per chunk (a chunk's entries are distinct elements): kept gives up what was sent.
 __global__ void __launch_bounds__(kThreads)
-    topk_subtract_kernel(float* residual, const int32_t* payload, int64_t n, int64_t chunk, int64_t k, int32_t format) {
+    topk_subtract_kernel(float* kept, const int32_t* payload, int64_t n, int64_t chunk, int64_t k, int32_t format) {
   const int64_t c = int64_t(blockIdx.x) * kThreads + threadIdx.x, nch = (n + chunk - 1) / chunk;
   if (c >= nch) return;
   const int64_t kc = topk_k(k, chunk_len(n, chunk, c), chunk);
   const int32_t* w = payload + c * chunk_stride(format, chunk, k);
-  float* r = residual + c * chunk;
+  float* r = kept + c * chunk;
   if (format == kTopK) {
     for (int64_t i = 0; i < kc; ++i) {
       const uint32_t e = static_cast<uint32_t>(w[i]);
@@ -224,8 +224,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void __launch_bounds__(kThreads)
-    ternary_residual_kernel(const void* update, int32_t dtype, float* residual, int64_t n, int64_t chunk,
-                            const int32_t* payload) {
+    ternary_residual_kernel(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n,
+                            int64_t chunk, const int32_t* payload) {
   const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= n) return;
   const int64_t c = i / chunk, j = i % chunk;
@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(kThreads)
   const uint32_t code = static_cast<uint32_t>(w[1 + j / 16]) >> (j % 16);
   const float scale = bits_to_float(w[0]);
   const float sent = (code >> 16) & 1u ? -scale : scale;
-  residual[i] = (code & 1u) ? x - sent : x;
+  kept[i] = (code & 1u) ? x - sent : x;
 }
 
 // ---------------------------------------------------------------------------------------------- plumbing
@@ -287,8 +287,8 @@ ChunkedResult encode_chunked(int32_t format, int64_t n, int64_t chunk, int64_t k
   return {words, entries, -1};
 }
 
-ChunkedResult encode_topk_cuda(const void* update, int32_t dtype, float* residual, int64_t n, int64_t chunk,
-                               int64_t k, int32_t format, int32_t* out, int64_t capacity, void* stream) {
+ChunkedResult encode_topk_cuda(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n,
+                               int64_t chunk, int64_t k, int32_t format, int32_t* out, int64_t capacity, void* stream) {
   const int64_t words = check_chunked_args(format, dtype, n, chunk, k, 0.0f, capacity);
   cuda::DeviceGuard guard(out, "out");
   const cudaStream_t s = cuda::as_stream(stream);
@@ -307,16 +307,16 @@ ChunkedResult encode_topk_cuda(const void* update, int32_t dtype, float* residua
         cuda::check_launch("topk_pack_kernel");
       },
       [&]() {
-        add_update_kernel<<<cuda::blocks_for(n, kThreads), kThreads, 0, s>>>(update, dtype, residual, n);
+        add_update_kernel<<<cuda::blocks_for(n, kThreads), kThreads, 0, s>>>(update, dtype, residual, kept, n);
         cuda::check_launch("add_update_kernel");
-        topk_subtract_kernel<<<cuda::blocks_for(nch, kThreads), kThreads, 0, s>>>(residual, out + kHeaderWords, n,
+        topk_subtract_kernel<<<cuda::blocks_for(nch, kThreads), kThreads, 0, s>>>(kept, out + kHeaderWords, n,
                                                                                  chunk, k, format);
         cuda::check_launch("topk_subtract_kernel");
       });
 }
 
-ChunkedResult encode_ternary_cuda(const void* update, int32_t dtype, float* residual, int64_t n, int64_t chunk,
-                                  float fraction, int32_t* out, int64_t capacity, void* stream) {
+ChunkedResult encode_ternary_cuda(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n,
+                                  int64_t chunk, float fraction, int32_t* out, int64_t capacity, void* stream) {
   const int64_t words = check_chunked_args(kTernary, dtype, n, chunk, 0, fraction, capacity);
   cuda::DeviceGuard guard(out, "out");
   const cudaStream_t s = cuda::as_stream(stream);
@@ -330,8 +330,8 @@ ChunkedResult encode_ternary_cuda(const void* update, int32_t dtype, float* resi
         cuda::check_launch("ternary_chunk_kernel");
       },
       [&]() {
-        ternary_residual_kernel<<<cuda::blocks_for(n, kThreads), kThreads, 0, s>>>(update, dtype, residual, n, chunk,
-                                                                                  out + kHeaderWords);
+        ternary_residual_kernel<<<cuda::blocks_for(n, kThreads), kThreads, 0, s>>>(update, dtype, residual, kept, n,
+                                                                                  chunk, out + kHeaderWords);
         cuda::check_launch("ternary_residual_kernel");
       });
 }

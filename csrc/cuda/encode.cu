@@ -71,7 +71,7 @@ __global__ void header_kernel(int32_t* out, int32_t format, int64_t n, int64_t c
 // counts. `limit` (the pass-1 total) bounds every write even if the inputs changed in between.
 template <int DT>
 __global__ void __launch_bounds__(kThreads)
-    write_sparse_kernel(const void* update, float* residual, int64_t n, float tau, float clip,
+    write_sparse_kernel(const void* update, const float* residual, float* kept, int64_t n, float tau, float clip,
                         const long long* offsets, int32_t* payload, int64_t limit) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage tmp;
@@ -83,9 +83,9 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t i = row + threadIdx.x;
     int s = 0;
     if (i < n) {
-      float kept;
-      s = threshold_step(u_at<DT>(update, residual, i), tau, clip, &kept);
-      residual[i] = kept;
+      float k;
+      s = threshold_step(u_at<DT>(update, residual, i), tau, clip, &k);
+      kept[i] = k;
     }
     int pos, row_count;
     Scan(tmp).ExclusiveSum(s != 0 ? 1 : 0, pos, row_count);
@@ -100,13 +100,14 @@ __global__ void __launch_bounds__(kThreads)
 // (blocks start at multiples of kThreads), written by lanes 0 and 16.
 template <int DT>
 __global__ void __launch_bounds__(kThreads)
-    write_bitmap_kernel(const void* update, float* residual, int64_t n, float tau, float clip, int32_t* payload) {
+    write_bitmap_kernel(const void* update, const float* residual, float* kept, int64_t n, float tau, float clip,
+                        int32_t* payload) {
   const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   int s = 0;
   if (i < n) {
-    float kept;
-    s = threshold_step(u_at<DT>(update, residual, i), tau, clip, &kept);
-    residual[i] = kept;
+    float k;
+    s = threshold_step(u_at<DT>(update, residual, i), tau, clip, &k);
+    kept[i] = k;
   }
   // Every lane takes part in the ballots (no early return above); lanes past n contribute zeros,
   // so bits past n stay clear.
@@ -145,8 +146,8 @@ CountResult count_t(const void* update, const float* residual, int64_t n, float 
 }
 
 template <int DT>
-EncodeResult encode_t(const void* update, float* residual, int64_t n, float tau, float clip, int32_t choice,
-                      int32_t* out, int64_t capacity, cudaStream_t stream) {
+EncodeResult encode_t(const void* update, const float* residual, float* kept, int64_t n, float tau, float clip,
+                      int32_t choice, int32_t* out, int64_t capacity, cudaStream_t stream) {
   // Scratch: [Pass1][tile counts][tile offsets][CUB scan temp], each region 256-byte aligned.
   const int64_t tiles = num_tiles(n);
   size_t scan_bytes = 0;
@@ -166,13 +167,13 @@ EncodeResult encode_t(const void* update, float* residual, int64_t n, float tau,
     r.count = static_cast<int64_t>(p.total);
     r.nonfinite_index = nonfinite_index(p);
   }
-  if (r.nonfinite_index >= 0) return r;  // nothing written: the residual stays as it was
+  if (r.nonfinite_index >= 0) return r;  // nothing written: the residual (and kept) stay as they were
 
   r.format = choose_format(choice, r.count, n, capacity);
   const int64_t need = kHeaderWords + payload_words(r.format, n, r.count);
   header_kernel<<<1, 1, 0, stream>>>(out, r.format, n, r.count, tau);
   cuda::check_launch("header_kernel");
-  if (n > 0) {  // even with no entries the residual takes the update (and the clipping)
+  if (n > 0) {  // even with no entries kept takes residual + update (and the clipping)
     if (r.format == kSparse) {
       long long* counts = scratch.at<long long>(at_counts);
       long long* offsets = scratch.at<long long>(at_offsets);
@@ -180,11 +181,11 @@ EncodeResult encode_t(const void* update, float* residual, int64_t n, float tau,
                                                 static_cast<int>(tiles), stream),
                   "cub::DeviceScan::ExclusiveSum");
       write_sparse_kernel<DT><<<cuda::blocks_for(n, kTile), kThreads, 0, stream>>>(
-          update, residual, n, tau, clip, offsets, out + kHeaderWords, r.count);
+          update, residual, kept, n, tau, clip, offsets, out + kHeaderWords, r.count);
       cuda::check_launch("write_sparse_kernel");
     } else {
-      write_bitmap_kernel<DT><<<cuda::blocks_for(n, kThreads), kThreads, 0, stream>>>(update, residual, n, tau,
-                                                                                        clip, out + kHeaderWords);
+      write_bitmap_kernel<DT><<<cuda::blocks_for(n, kThreads), kThreads, 0, stream>>>(update, residual, kept, n,
+                                                                                        tau, clip, out + kHeaderWords);
       cuda::check_launch("write_bitmap_kernel");
     }
   }
@@ -208,19 +209,20 @@ CountResult count_cuda(const void* update, int32_t dtype, const float* residual,
   }
 }
 
-EncodeResult encode_cuda(const void* update, int32_t dtype, float* residual, int64_t n, float tau, float clip,
-                         int32_t choice, int32_t* out, int64_t capacity, void* stream) {
+EncodeResult encode_cuda(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n, float tau,
+                         float clip, int32_t choice, int32_t* out, int64_t capacity, void* stream) {
   check_encode_args(dtype, n, tau, clip, choice, capacity);
   cuda::DeviceGuard guard(out, "out");
   if (n > 0) {
     cuda::device_of(update, "update");
     cuda::device_of(residual, "residual");
+    cuda::device_of(kept, "kept");
   }
   const cudaStream_t s = cuda::as_stream(stream);
   switch (dtype) {
-    case kFloat16: return encode_t<kFloat16>(update, residual, n, tau, clip, choice, out, capacity, s);
-    case kBFloat16: return encode_t<kBFloat16>(update, residual, n, tau, clip, choice, out, capacity, s);
-    default: return encode_t<kFloat32>(update, residual, n, tau, clip, choice, out, capacity, s);
+    case kFloat16: return encode_t<kFloat16>(update, residual, kept, n, tau, clip, choice, out, capacity, s);
+    case kBFloat16: return encode_t<kBFloat16>(update, residual, kept, n, tau, clip, choice, out, capacity, s);
+    default: return encode_t<kFloat32>(update, residual, kept, n, tau, clip, choice, out, capacity, s);
   }
 }
 

@@ -37,20 +37,23 @@ inline int64_t encode_capacity(int64_t n) { return kHeaderWords + bitmap_words(n
 
 // ---- CPU ----
 CountResult count_cpu(const void* update, int32_t dtype, const float* residual, int64_t n, float tau);
-// Two passes: count (and finiteness) per chunk, then write residual and payload at scanned offsets, so
+// Every encoder reads residual + update and writes what it does not send into `kept`: the residual itself
+// (in place) or a buffer of n floats that overlaps neither it nor the update, so that the residual is only
+// read. A non-finite residual + update writes neither.
+// Two passes: count (and finiteness) per chunk, then write kept and payload at scanned offsets, so
 // the indices come out ascending whatever the thread count. clip <= 0 disables residual clipping.
-EncodeResult encode_cpu(const void* update, int32_t dtype, float* residual, int64_t n, float tau, float clip,
-                        int32_t choice, int32_t* out, int64_t capacity);
+EncodeResult encode_cpu(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n, float tau,
+                        float clip, int32_t choice, int32_t* out, int64_t capacity);
 // Validates every message first (nothing is written if any is bad), then adds them in order:
 // dst[i] += sign * (tau * scale). Messages are rows of `row_words` words. dst == nullptr: validate only.
 void decode_cpu(float* dst, int64_t n, const int32_t* msgs, int64_t num_msgs, int64_t row_words, float scale);
-// Top-k (format 3) and ternary (format 4) encodes of residual + update, residual updated in place (see
+// Top-k (format 3) and ternary (format 4) encodes of residual + update, what is kept into `kept` (see
 // csrc/cpu/chunked.cpp). `capacity` must hold topk_words / ternary_words.
 // `format`: kTopK (bfloat16 values) or kTopK8 (8-bit values and a scale per chunk).
-ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, float* residual, int64_t n, int64_t chunk,
-                              int64_t k, int32_t format, int32_t* out, int64_t capacity);
-ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, float* residual, int64_t n, int64_t chunk,
-                                 float fraction, int32_t* out, int64_t capacity);
+ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n,
+                              int64_t chunk, int64_t k, int32_t format, int32_t* out, int64_t capacity);
+ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n,
+                                 int64_t chunk, float fraction, int32_t* out, int64_t capacity);
 // dst = sum_j weights[j] * srcs[j] (weights == nullptr: the mean). dst may be one of srcs.
 void average_cpu(float* dst, const float* const* srcs, int64_t k, const float* weights, int64_t n);
 
@@ -62,14 +65,14 @@ bool have_openmp();
 #ifdef GS_HAVE_CUDA
 CountResult count_cuda(const void* update, int32_t dtype, const float* residual, int64_t n, float tau,
                        void* stream);
-EncodeResult encode_cuda(const void* update, int32_t dtype, float* residual, int64_t n, float tau, float clip,
-                         int32_t choice, int32_t* out, int64_t capacity, void* stream);
+EncodeResult encode_cuda(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n, float tau,
+                         float clip, int32_t choice, int32_t* out, int64_t capacity, void* stream);
 void decode_cuda(float* dst, int64_t n, const int32_t* msgs, int64_t num_msgs, int64_t row_words, float scale,
                  void* stream);
-ChunkedResult encode_topk_cuda(const void* update, int32_t dtype, float* residual, int64_t n, int64_t chunk,
-                               int64_t k, int32_t format, int32_t* out, int64_t capacity, void* stream);
-ChunkedResult encode_ternary_cuda(const void* update, int32_t dtype, float* residual, int64_t n, int64_t chunk,
-                                  float fraction, int32_t* out, int64_t capacity, void* stream);
+ChunkedResult encode_topk_cuda(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n,
+                               int64_t chunk, int64_t k, int32_t format, int32_t* out, int64_t capacity, void* stream);
+ChunkedResult encode_ternary_cuda(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n,
+                                  int64_t chunk, float fraction, int32_t* out, int64_t capacity, void* stream);
 // srcs and weights are host arrays of device pointers / host floats.
 void average_cuda(float* dst, const float* const* srcs, int64_t k, const float* weights, int64_t n, void* stream);
 int cuda_device_count();

@@ -13,13 +13,15 @@ class MessageError(ValueError): ...
 def count(update: int, dtype: int, residual: int, n: int, tau: float, cuda: bool, stream: int) -> Tuple[int, int]:
     """(entries whose |residual + update| >= tau, first non-finite index or -1)."""
 
-def encode(update: int, dtype: int, residual: int, n: int, tau: float, clip: float, choice: int, out: int,
+def encode(update: int, dtype: int, residual: int, kept: int, n: int, tau: float, clip: float, choice: int, out: int,
            capacity: int, cuda: bool, stream: int) -> Tuple[int, int, int, int]:
-    """Strom +-tau encoding with fused residual update: (message words, entries, first non-finite index, format)."""
+    """Strom +-tau encoding of residual + update, what is not sent written to kept (the residual itself, or a
+    buffer apart from it): (message words, entries, first non-finite index, format)."""
 
-def encode_chunked(format: int, update: int, dtype: int, residual: int, n: int, chunk: int, param: float, out: int,
-                   capacity: int, cuda: bool, stream: int) -> Tuple[int, int, int]:
-    """Top-k or ternary per chunk with fused residual update: (message words, entries, first non-finite index)."""
+def encode_chunked(format: int, update: int, dtype: int, residual: int, kept: int, n: int, chunk: int, param: float,
+                   out: int, capacity: int, cuda: bool, stream: int) -> Tuple[int, int, int]:
+    """Top-k or ternary per chunk of residual + update, what is not sent written to kept: (message words,
+    entries, first non-finite index)."""
 
 def decode(dst: int, n: int, msgs: int, num_msgs: int, row_words: int, scale: float, cuda: bool, stream: int) -> None:
     """Adds scale * each message row into dst (bounds-checked; raises MessageError on a bad message)."""

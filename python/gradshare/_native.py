@@ -45,17 +45,19 @@ def count(update: torch.Tensor, residual: torch.Tensor, tau: float) -> tuple:
                     update.is_cuda, _stream(update))
 
 
-def encode(update, residual, tau, clip, choice, out) -> tuple:
-    """Returns (length, count, nonfinite_index, format)."""
-    return _C.encode(update.data_ptr(), DTYPE_CODES[update.dtype], residual.data_ptr(), update.numel(), tau, clip,
-                     choice, out.data_ptr(), out.numel(), update.is_cuda, _stream(update))
+def encode(update, residual, kept, tau, clip, choice, out) -> tuple:
+    """What is not sent goes to ``kept`` (``residual`` itself for in place). Returns (length, count,
+    nonfinite_index, format)."""
+    return _C.encode(update.data_ptr(), DTYPE_CODES[update.dtype], residual.data_ptr(), kept.data_ptr(),
+                     update.numel(), tau, clip, choice, out.data_ptr(), out.numel(), update.is_cuda, _stream(update))
 
 
-def encode_chunked(format: int, update, residual, chunk: int, param: float, out) -> tuple:
-    """Top-k / 8-bit top-k (param = k) or ternary (param = fraction) encode in message format ``format``;
-    returns (length, entries, nonfinite_index)."""
-    return _C.encode_chunked(format, update.data_ptr(), DTYPE_CODES[update.dtype], residual.data_ptr(), update.numel(),
-                             chunk, float(param), out.data_ptr(), out.numel(), update.is_cuda, _stream(update))
+def encode_chunked(format: int, update, residual, kept, chunk: int, param: float, out) -> tuple:
+    """Top-k / 8-bit top-k (param = k) or ternary (param = fraction) encode in message format ``format``,
+    what is not sent to ``kept``; returns (length, entries, nonfinite_index)."""
+    return _C.encode_chunked(format, update.data_ptr(), DTYPE_CODES[update.dtype], residual.data_ptr(),
+                             kept.data_ptr(), update.numel(), chunk, float(param), out.data_ptr(), out.numel(),
+                             update.is_cuda, _stream(update))
 
 
 def decode(dst: torch.Tensor, rows: torch.Tensor, scale: float) -> None:

@@ -42,7 +42,8 @@ DEFAULT_CHUNK = 4096
 
 class Compression:
     """Base class. ``words(n, step)``: the fixed message length (None: it varies, lengths are gathered
-    first); ``encode(update, residual, step)``: one message, residual updated in place; ``observe``:
+    first); ``encode(update, residual, step, kept=None)``: one message, what is not sent kept in the residual
+    (in place) or, when given, in ``kept`` (the residual only read); ``observe``:
     learn from the finished exchange (adaptive thresholds)."""
 
     name = "compression"
@@ -50,7 +51,8 @@ class Compression:
     def words(self, n: int, step: int) -> Optional[int]:
         raise NotImplementedError
 
-    def encode(self, update: torch.Tensor, residual: torch.Tensor, step: int) -> torch.Tensor:
+    def encode(self, update: torch.Tensor, residual: torch.Tensor, step: int,
+               kept: Optional[torch.Tensor] = None) -> torch.Tensor:
         raise NotImplementedError
 
     def observe(self, count: int, n: int, message_format: int) -> None:
@@ -139,8 +141,8 @@ class TopK(Compression):
         fmt = msgfmt.TOPK8 if self.values == "int8" else msgfmt.TOPK
         return msgfmt.chunked_words(fmt, n, self.chunk, self.k(step))
 
-    def encode(self, update, residual, step):
-        return ops.encode_topk(update, residual, self.k(step), chunk=self.chunk, values=self.values)
+    def encode(self, update, residual, step, kept=None):
+        return ops.encode_topk(update, residual, self.k(step), chunk=self.chunk, values=self.values, kept=kept)
 
     def config(self):
         return {"kind": "TopK", "density": self.density, "chunk": self.chunk, "warmup_steps": self.warmup_steps,
@@ -167,8 +169,8 @@ class Ternary(Compression):
     def words(self, n: int, step: int) -> int:
         return msgfmt.ternary_words(n, self.chunk)
 
-    def encode(self, update, residual, step):
-        return ops.encode_ternary(update, residual, self.fraction, chunk=self.chunk)
+    def encode(self, update, residual, step, kept=None):
+        return ops.encode_ternary(update, residual, self.fraction, chunk=self.chunk, kept=kept)
 
     def config(self):
         return {"kind": "Ternary", "fraction": self.fraction, "chunk": self.chunk}
@@ -195,9 +197,9 @@ class Strom(Compression):
     def words(self, n: int, step: int) -> None:
         return None
 
-    def encode(self, update, residual, step):
+    def encode(self, update, residual, step, kept=None):
         clip = self.clipping.factor(step) if self.clipping is not None else None
-        return ops.encode(update, residual, self.threshold.tau, clip=clip, on_nonfinite="flag")
+        return ops.encode(update, residual, self.threshold.tau, clip=clip, on_nonfinite="flag", kept=kept)
 
     def observe(self, count: int, n: int, message_format: int) -> None:
         self.threshold.observe(count, n, message_format)
@@ -228,7 +230,7 @@ class Dense(Compression):
     def words(self, n: int, step: int) -> int:
         return n + msgfmt.HEADER_WORDS
 
-    def encode(self, update, residual, step):
+    def encode(self, update, residual, step, kept=None):
         raise ValueError("Dense() is sent by all-reduce; it cannot be used with fallback='never'")
 
 

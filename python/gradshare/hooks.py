@@ -336,7 +336,7 @@ def _updates_hook(state: ThresholdState, bucket, buf: torch.Tensor) -> torch.fut
     which ranks saw a non-finite gradient in this backward (an all-gather of one flag per rank) and, if any
     did, makes this rank's last bucket non-finite too, so that every rank sees it (a GradScaler then skips
     the step everywhere, as with DDP)."""
-    bad = (~torch.isfinite(buf)).any().reshape(1).float()
+    bad = comm.any_nonfinite([buf])
     with state._lock:
         state._bad = bad if state._bad is None else torch.maximum(state._bad, bad)
         if not bucket.is_last():

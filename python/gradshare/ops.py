@@ -123,24 +123,50 @@ def _check_update_residual(update, residual, residual_written: bool = True):
     return update, residual
 
 
+def _check_kept(kept, update: torch.Tensor, residual: torch.Tensor) -> Optional[torch.Tensor]:
+    """``kept`` for an encode: None or the residual itself (in place), or a float32 buffer of the same size on
+    the same device that overlaps neither the update nor the residual."""
+    if kept is None:
+        return None
+    kept = _as_tensor(kept, "kept", written=True)
+    _check_flat(kept, "kept", (torch.float32,))
+    _check_same_device(residual, kept, "residual", "kept")
+    if kept.numel() != residual.numel():
+        raise ValueError(f"kept: {kept.numel()} elements but residual has {residual.numel()}")
+    if kept.data_ptr() == residual.data_ptr() and type(kept) is torch.Tensor:
+        return None
+    if _overlap(kept, update):
+        raise ValueError("kept: shares memory with update; pass separate buffers")
+    if _overlap(kept, residual):
+        raise ValueError("kept: overlaps residual without being it; pass the residual itself or a separate buffer")
+    return kept
+
+
 # ---------------------------------------------------------------------------------------------------
-# Custom ops (what torch.compile sees). Inputs here are already checked.
+# Custom ops (what torch.compile sees). Inputs here are already checked. Each encoder's *_into function
+# takes a separate `kept` buffer (the residual is then only read); the registered ops update the residual
+# in place (kept = residual), which is what tracing sees.
 # ---------------------------------------------------------------------------------------------------
 
-def _encode_impl(update: torch.Tensor, residual: torch.Tensor, tau: float, clip: float, choice: int) -> torch.Tensor:
+def _encode_into(update: torch.Tensor, residual: torch.Tensor, kept: torch.Tensor, tau: float, clip: float,
+                 choice: int) -> torch.Tensor:
     # clip: the clipping factor c (<= 0: none); the kernels take the bound c * tau rounded to float32.
     n = update.numel()
-    if not _native.available():
-        fmt = {v: k for k, v in msgfmt.FORMAT_CHOICES.items()}[choice]
-        return reference.encode(update.view(-1), residual.view(-1), tau, clip if clip > 0 else None, fmt)
     cap = msgfmt.HEADER_WORDS + (n if choice == msgfmt.SPARSE else msgfmt.bitmap_words(n))
     out = torch.empty(cap, dtype=torch.int32, device=update.device)
     bound = reference.clip_value(tau, clip if clip > 0 else None)
-    length, count, bad, fmt = _native.encode(update, residual, tau, bound, choice, out)
+    length, count, bad, fmt = _native.encode(update, residual, kept, tau, bound, choice, out)
     if bad >= 0:
         return msgfmt.nonfinite_marker(n, tau, bad, device=update.device)
     # Keep a short message in its own small allocation rather than a view of the worst-case buffer.
     return out[:length].clone() if 4 * length < cap else out[:length]
+
+
+def _encode_impl(update: torch.Tensor, residual: torch.Tensor, tau: float, clip: float, choice: int) -> torch.Tensor:
+    if not _native.available():
+        fmt = {v: k for k, v in msgfmt.FORMAT_CHOICES.items()}[choice]
+        return reference.encode(update.view(-1), residual.view(-1), tau, clip if clip > 0 else None, fmt)
+    return _encode_into(update, residual, residual, tau, clip, choice)
 
 
 _encode_op = torch.library.custom_op("gradshare::encode", _encode_impl, mutates_args=("residual",))
@@ -152,13 +178,18 @@ def _(update, residual, tau, clip, choice):
     return update.new_empty(ctx.new_dynamic_size(), dtype=torch.int32)
 
 
-def _encode_topk_impl(update: torch.Tensor, residual: torch.Tensor, k: int, chunk: int, int8: bool) -> torch.Tensor:
+def _encode_topk_into(update: torch.Tensor, residual: torch.Tensor, kept: torch.Tensor, k: int, chunk: int,
+                      int8: bool) -> torch.Tensor:
     fmt = msgfmt.TOPK8 if int8 else msgfmt.TOPK
+    out = torch.empty(msgfmt.chunked_words(fmt, update.numel(), chunk, k), dtype=torch.int32, device=update.device)
+    _native.encode_chunked(fmt, update, residual, kept, chunk, k, out)
+    return out
+
+
+def _encode_topk_impl(update: torch.Tensor, residual: torch.Tensor, k: int, chunk: int, int8: bool) -> torch.Tensor:
     if not _native.available():
         return reference.encode_topk(update.view(-1), residual.view(-1), k, chunk, "int8" if int8 else "bf16")
-    out = torch.empty(msgfmt.chunked_words(fmt, update.numel(), chunk, k), dtype=torch.int32, device=update.device)
-    _native.encode_chunked(fmt, update, residual, chunk, k, out)
-    return out
+    return _encode_topk_into(update, residual, residual, k, chunk, int8)
 
 
 _encode_topk_op = torch.library.custom_op("gradshare::encode_topk", _encode_topk_impl, mutates_args=("residual",))
@@ -170,12 +201,17 @@ def _(update, residual, k, chunk, int8):
     return update.new_empty(msgfmt.chunked_words(fmt, update.numel(), chunk, k), dtype=torch.int32)
 
 
+def _encode_ternary_into(update: torch.Tensor, residual: torch.Tensor, kept: torch.Tensor, fraction: float,
+                         chunk: int) -> torch.Tensor:
+    out = torch.empty(msgfmt.ternary_words(update.numel(), chunk), dtype=torch.int32, device=update.device)
+    _native.encode_chunked(msgfmt.TERNARY, update, residual, kept, chunk, fraction, out)
+    return out
+
+
 def _encode_ternary_impl(update: torch.Tensor, residual: torch.Tensor, fraction: float, chunk: int) -> torch.Tensor:
     if not _native.available():
         return reference.encode_ternary(update.view(-1), residual.view(-1), fraction, chunk)
-    out = torch.empty(msgfmt.ternary_words(update.numel(), chunk), dtype=torch.int32, device=update.device)
-    _native.encode_chunked(msgfmt.TERNARY, update, residual, chunk, fraction, out)
-    return out
+    return _encode_ternary_into(update, residual, residual, fraction, chunk)
 
 
 _encode_ternary_op = torch.library.custom_op("gradshare::encode_ternary", _encode_ternary_impl,
@@ -243,13 +279,28 @@ def _run(op, impl, *args):
     return op(*args)
 
 
+def _run_encode(op, impl, into, update: torch.Tensor, residual: torch.Tensor, kept: Optional[torch.Tensor], *args):
+    """An encode whose kept residual goes to ``kept`` (None: the residual, in place). Eager calls on plain
+    tensors with the native library make one pass that only reads the residual; otherwise (tracing, the
+    pure-torch reference) kept takes a copy of the residual and the in-place op runs on it: the same result."""
+    if kept is None:
+        return _run(op, impl, update, residual, *args)
+    plain = all(type(t) is torch.Tensor for t in (update, residual, kept))
+    if (plain and not torch.compiler.is_compiling() and not torch._C._is_torch_function_mode_enabled()
+            and _native.available()):
+        return into(update, residual, kept, *args)
+    kept.copy_(residual)
+    return _run(op, impl, update, kept, *args)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Public API
 # ---------------------------------------------------------------------------------------------------
 
 def encode(update: ArrayLike, residual: ArrayLike, tau: float, *, clip: Optional[float] = None,
-           format: str = "auto", on_nonfinite: str = "raise") -> ArrayLike:
-    """Threshold-encode ``residual + update`` and keep what was not sent in ``residual`` (in place).
+           format: str = "auto", on_nonfinite: str = "raise", kept: Optional[ArrayLike] = None) -> ArrayLike:
+    """Threshold-encode ``residual + update`` and keep what was not sent in ``residual`` (in place), or in
+    ``kept``.
 
     Per element u = residual + update: u >= tau sends +tau and keeps u - tau; u <= -tau sends -tau and
     keeps u + tau; otherwise keeps u. ``clip=c`` then limits the kept residual to [-c*tau, c*tau].
@@ -261,7 +312,11 @@ def encode(update: ArrayLike, residual: ArrayLike, tau: float, *, clip: Optional
         clip: optional residual clipping factor c (> 0).
         format: "auto" (sparse while no larger than the bitmap, else bitmap), "sparse" or "bitmap".
         on_nonfinite: "raise" (NonFiniteError) or "flag" (return a non-finite marker message that
-            decode refuses; lets every rank of an exchange learn of it). Either way nothing is written.
+            decode refuses; lets every rank of an exchange learn of it). Either way the residual is not
+            written (and ``kept`` holds nothing meaningful).
+        kept: optional float32 buffer of the residual's size that receives what was not sent; the residual
+            is then only read (so a step that fails later can keep it). It must not overlap the update or
+            the residual.
 
     Returns:
         One int32 message (see gradshare.message), indices ascending whatever the thread count.
@@ -274,8 +329,9 @@ def encode(update: ArrayLike, residual: ArrayLike, tau: float, *, clip: Optional
         raise ValueError(f"format: expected one of {sorted(msgfmt.FORMAT_CHOICES)}, got {format!r}")
     if on_nonfinite not in ("raise", "flag"):
         raise ValueError(f"on_nonfinite: expected 'raise' or 'flag', got {on_nonfinite!r}")
-    out = _run(_encode_op, _encode_impl, update.view(-1), residual.view(-1), tau, clip,
-               msgfmt.FORMAT_CHOICES[format])
+    kept = _check_kept(kept, update, residual)
+    out = _run_encode(_encode_op, _encode_impl, _encode_into, update.view(-1), residual.view(-1),
+                      None if kept is None else kept.view(-1), tau, clip, msgfmt.FORMAT_CHOICES[format])
     if on_nonfinite == "raise" and int(out[1]) == NONFINITE:
         raise NonFiniteError(int(out[3]))
     return out.cpu().numpy() if as_numpy else out
@@ -292,8 +348,9 @@ def _check_chunk(chunk, low: int, high: int, multiple: int = 1) -> int:
 
 
 def encode_topk(update: ArrayLike, residual: ArrayLike, k: int, *, chunk: int = 4096,
-                values: str = "bf16") -> torch.Tensor:
-    """Top-k encode ``residual + update`` per chunk, keeping what was not sent in ``residual`` (in place).
+                values: str = "bf16", kept: Optional[ArrayLike] = None) -> torch.Tensor:
+    """Top-k encode ``residual + update`` per chunk, keeping what was not sent in ``residual`` (in place), or
+    in ``kept`` (as for :func:`encode`: the residual is then only read).
 
     In every chunk of ``chunk`` elements, the ``k`` entries with the largest |u| (u = residual + update; ties
     go to the lower index; a shorter last chunk sends ceil(k * len / chunk)) are sent with their values, and
@@ -309,13 +366,15 @@ def encode_topk(update: ArrayLike, residual: ArrayLike, k: int, *, chunk: int = 
         raise ValueError(f"k: must be an int in [0, chunk={chunk}], got {k!r}")
     if values not in ("bf16", "int8"):
         raise ValueError(f"values: expected 'bf16' or 'int8', got {values!r}")
-    return _run(_encode_topk_op, _encode_topk_impl, update.view(-1), residual.view(-1), int(k), chunk,
-                values == "int8")
+    kept = _check_kept(kept, update, residual)
+    return _run_encode(_encode_topk_op, _encode_topk_impl, _encode_topk_into, update.view(-1), residual.view(-1),
+                       None if kept is None else kept.view(-1), int(k), chunk, values == "int8")
 
 
 def encode_ternary(update: ArrayLike, residual: ArrayLike, fraction: float = 0.5, *,
-                   chunk: int = 4096) -> torch.Tensor:
-    """Ternary encode ``residual + update`` per chunk, keeping what was not sent in ``residual`` (in place).
+                   chunk: int = 4096, kept: Optional[ArrayLike] = None) -> torch.Tensor:
+    """Ternary encode ``residual + update`` per chunk, keeping what was not sent in ``residual`` (in place),
+    or in ``kept`` (as for :func:`encode`: the residual is then only read).
 
     In every chunk, the entries with |u| >= fraction * mean|u| (and u != 0) are sent as +-scale, where scale
     is the mean |u| of those entries (one float per chunk, 2 bits per element: 16x smaller than float32).
@@ -330,7 +389,9 @@ def encode_ternary(update: ArrayLike, residual: ArrayLike, fraction: float = 0.5
         raise TypeError(f"fraction: expected a float, got {type(fraction).__name__}") from None
     if not (f >= 0 and math.isfinite(f)):
         raise ValueError(f"fraction: must be a finite number >= 0, got {fraction}")
-    return _run(_encode_ternary_op, _encode_ternary_impl, update.view(-1), residual.view(-1), f, chunk)
+    kept = _check_kept(kept, update, residual)
+    return _run_encode(_encode_ternary_op, _encode_ternary_impl, _encode_ternary_into, update.view(-1),
+                       residual.view(-1), None if kept is None else kept.view(-1), f, chunk)
 
 
 def count(update: ArrayLike, residual: ArrayLike, tau: float) -> int:

@@ -24,11 +24,13 @@ learning rates must be retuned when the cluster changes. gradshare AVERAGES by d
 a script's hyper-parameters mean the same on 1 or 64 ranks. ``reduce="sum"`` gives DL4J's rule.
 
 Non-finite values: ``nonfinite="raise"`` (default) raises NonFiniteStepError on every rank, naming the
-step and the rank(s). ``nonfinite="skip"`` drops the step on every rank: residuals, parameters and the
-step counter are left as they were and ``step()`` returns without stepping (``opt.step_skipped``). In
-"updates" mode the skip check of the gradients costs one tiny allreduce per step before the inner step, so
-that optimizer state is not touched either (a non-finite update from finite gradients is still caught by
-the exchange; parameters and residuals are restored, the inner optimizer's state has advanced).
+step and the rank(s), with parameters and residuals as they were (in "updates" mode a rank whose gradients
+are not finite skips its inner step; the other ranks' inner optimizers have taken theirs: resume from a
+checkpoint). ``nonfinite="skip"`` drops the step on every rank: residuals, parameters and the step counter
+are left as they were and ``step()`` returns without stepping (``opt.step_skipped``). In "updates" mode the
+skip check of the gradients costs one tiny all-gather per step before the inner step, so that optimizer
+state is not touched either (a non-finite update from finite gradients is still caught by the exchange;
+parameters and residuals are restored, the inner optimizer's state has advanced).
 
 Momentum correction in gradshare (``momentum=m``, mode="gradients" only; Deep Gradient Compression): each
 bucket keeps a velocity u = m*u + g and encodes it, for an inner optimizer WITHOUT momentum. "updates" mode
@@ -44,7 +46,6 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from gradshare.comm import NonFiniteStepError
 from gradshare.compression import Strom
 from gradshare.sharing import Sharing, SharingFront
 from gradshare.stats import Statistics
@@ -133,15 +134,19 @@ class SharedOptimizer(SharingFront, WrappedOptimizer):
             if sh.share_gradients():
                 self.optimizer.step()
             return loss
-        bad = sh.nonfinite_ranks()
-        if bad:
-            if sh.nonfinite == "raise":
-                raise NonFiniteStepError(sh.step, bad, [-1] * len(bad), "gradients")
-            sh.skip_step()
-            return loss
+        bad_here = False
+        if sh.nonfinite == "skip":
+            if sh.nonfinite_ranks():              # one flag per rank: a dropped step moves no optimizer state
+                sh.skip_step()
+                return loss
+        else:
+            # "raise" adds no collective: a rank whose gradients are not finite does not step and shares
+            # them instead, and the exchange stops every rank (parameters and residuals unchanged).
+            bad_here = sh.grads_nonfinite()
         sh.begin_updates()
-        self.optimizer.step()
-        sh.share_updates()
+        if not bad_here:
+            self.optimizer.step()
+        sh.share_updates(share_grads=bad_here)
         return loss
 
     # -- checkpoints ----------------------------------------------------------------------------------------

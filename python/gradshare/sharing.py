@@ -1,7 +1,7 @@
 """The sharing core: one bucket's error-feedback exchange and one step of all of them, written once.
 
 SharedOptimizer (gradshare.optim) and the DDP hook (gradshare.hooks) hold a :class:`Sharing`: it owns the
-buckets' state (residual, the policy that encodes them, backups, optional velocity) and runs a step of
+buckets' state (residual, the policy that encodes them, optional velocity) and runs a step of
 them. The hook adds only DDP's bucket mapping and futures; SharedOptimizer only its modes.
 
 What is shared each step:
@@ -26,7 +26,10 @@ NonFiniteStepError; "skip" drops the step on every rank.
 All or nothing: a step either completes on every rank or changes no state. Whatever stops it (a
 non-finite value, a rank whose encoder raised, a message the decoder rejects, a failed or timed-out
 collective), every bucket's residual and velocity, the policies, the step counter and (updates) the
-parameters are put back bitwise as they were, and the error is raised on every rank that reaches it.
+parameters are as they were, bitwise, and the error is raised on every rank that reaches it. This costs
+no copy: each bucket has two residual buffers. The encoder reads residual + update and writes what it
+does not send into the spare one (``kept``), so the residual is never written during an exchange; a
+completed step swaps the two, a failed one leaves them (velocities likewise).
 
 Agreement: before a bucket's first exchange (and after DDP rebuilds its buckets) the ranks all-gather a
 32-byte digest of their configuration: gradshare's version, world size, mode, compression policy and its
@@ -73,9 +76,9 @@ class Bucket:
         self.compression = compression
         self.agreed = False                                   # configuration digest checked with every rank
         self.in_step = False                                  # its exchange started and has not ended yet
-        self.backup: Optional[torch.Tensor] = None            # residual before the step (all-or-nothing)
+        self.spare = torch.empty_like(self.residual)          # what this step's exchange keeps: the next residual
         self.velocity: Optional[torch.Tensor] = None          # momentum correction in gradshare (momentum=m)
-        self.velocity_backup: Optional[torch.Tensor] = None
+        self.velocity_spare: Optional[torch.Tensor] = None
         self._flat: Optional[torch.Tensor] = None
         self.snapshot: Optional[torch.Tensor] = None          # parameters before the local step (updates)
 
@@ -182,8 +185,8 @@ class Sharing:
             (Deep Gradient Compression's momentum correction with factor masking), for a momentum-free
             optimizer in "gradients" mode. Not needed when updates are shared.
         clipping: DL4J's residual clipping for Strom policies (ResidualClipping or None).
-        residual_decay: beta in (0, 1]: before each exchange the residual is multiplied by beta, so what
-            was held back fades (SparseLoCo's decayed error feedback, for pseudo-gradients that are rare and
+        residual_decay: beta in (0, 1]: after each exchange what was held back is multiplied by beta, so it
+            fades (SparseLoCo's decayed error feedback, for pseudo-gradients that are rare and
             large). 1 (default): plain error feedback.
     """
 
@@ -221,10 +224,9 @@ class Sharing:
 
     def new_bucket(self, index: int, params: Sequence[torch.Tensor]) -> Bucket:
         b = Bucket(index, params, self.compression.clone())
-        b.backup = torch.empty_like(b.residual)
         if self.momentum is not None:
             b.velocity = torch.zeros_like(b.residual)
-            b.velocity_backup = torch.empty_like(b.residual)
+            b.velocity_spare = torch.empty_like(b.residual)
         return b
 
     def build(self, params: Iterable[torch.Tensor], cap_mb: float = 25.0) -> List[Bucket]:
@@ -269,20 +271,16 @@ class Sharing:
 
     # --------------------------------------------------------------------------------- one bucket's step
     def start(self, b: Bucket, update: torch.Tensor, out: torch.Tensor, name: str) -> torch.futures.Future:
-        """Starts bucket ``b``'s exchange of ``update`` (decoded mean into ``out``); a Future[ExchangeResult]."""
+        """Starts bucket ``b``'s exchange of ``update`` (decoded mean into ``out``); a Future[ExchangeResult].
+        What is not sent goes to ``b.spare``: the residual is only read until :meth:`commit`."""
         if not b.agreed:
             self.agree(b)
-        b.backup.copy_(b.residual)               # all or nothing: what restore() puts back
-        if b.velocity is not None:
-            b.velocity_backup.copy_(b.velocity)
-        b.in_step = True
-        if self.residual_decay != 1.0:            # decayed error feedback: e = beta*e + update
-            b.residual.mul_(self.residual_decay)
         if b.velocity is not None:               # momentum correction: encode u = m*u + g
-            update = b.velocity.mul_(self.momentum).add_(update.view(-1))
+            update = torch.mul(b.velocity, self.momentum, out=b.velocity_spare).add_(update.view(-1))
+        b.in_step = True
         return exchange_async(update, b.residual, encoder=b.compression, out=out, group=self.process_group,
                               average=self.reduce == "mean", fallback=self.fallback, nonfinite=self.nonfinite,
-                              step=self.step, name=name)
+                              step=self.step, name=name, kept=b.spare)
 
     def finish(self, results: Sequence[Tuple[Bucket, ExchangeResult]]) -> bool:
         """Ends a step once all its exchanges are done: adapts thresholds, masks velocities and records
@@ -293,7 +291,7 @@ class Sharing:
             if skipped:
                 self.restore(b)
             else:
-                b.in_step = False
+                self.commit(b)
                 b.compression.observe(r.count, r.n, r.message_format)
                 if b.velocity is not None:
                     zero_sent(b.velocity, r)      # momentum factor masking
@@ -308,15 +306,20 @@ class Sharing:
         self.stats.end_step()
         return not skipped
 
+    def commit(self, b: Bucket) -> None:
+        """A completed exchange: what the encoder kept (in the spare buffer) becomes the residual, faded by
+        ``residual_decay`` for the next step (e = beta*e + update there); the new velocity likewise."""
+        b.residual, b.spare = b.spare, b.residual
+        if self.residual_decay != 1.0:
+            b.residual.mul_(self.residual_decay)
+        if b.velocity is not None:
+            b.velocity, b.velocity_spare = b.velocity_spare, b.velocity
+        b.in_step = False
+
     @staticmethod
     def restore(b: Bucket) -> None:
-        """Puts a bucket's residual and velocity back as they were before this step's exchange (a bucket
-        whose exchange did not start this step is left as it is)."""
-        if not b.in_step:
-            return
-        b.residual.copy_(b.backup)
-        if b.velocity is not None:
-            b.velocity.copy_(b.velocity_backup)
+        """A bucket whose exchange failed or was skipped keeps its residual and velocity: they were not
+        written (module docstring); only the step is marked over."""
         b.in_step = False
 
     def run(self, items: Sequence[Tuple[Bucket, torch.Tensor, torch.Tensor]]) -> List[Tuple[Bucket, ExchangeResult]]:
@@ -362,16 +365,21 @@ class Sharing:
                 b.snapshot = torch.empty(b.n, dtype=torch.float32, device=b.device)
             b.gather_params(b.snapshot)
 
-    def share_updates(self, outer: Optional[torch.optim.Optimizer] = None) -> bool:
+    def share_updates(self, outer: Optional[torch.optim.Optimizer] = None, share_grads: bool = False) -> bool:
         """After the optimizer's local step(s): shares each bucket's change since :meth:`begin_updates` and
         sets every rank's parameters to (before - decoded mean change). With an ``outer`` optimizer over the
         buckets' parameters (DiLoCo), the parameters are set back to before and ``outer`` steps with the
         decoded mean change as their gradient (the gradients are put back afterwards); the same on every
-        rank, so replicas stay identical. False when the step was skipped (parameters restored)."""
+        rank, so replicas stay identical. False when the step was skipped (parameters restored).
+        ``share_grads``: this rank's gradients are not finite and its optimizer did not step; it shares them
+        instead of a change, so that the exchange stops every rank (NonFiniteStepError, naming the element)."""
         items = []
         for b in self.buckets:
-            delta = b.gather_params(b.flat)
-            torch.sub(b.snapshot, delta, out=delta)       # before - after: this rank's update
+            if share_grads:
+                delta = b.gather_grads(b.flat)
+            else:
+                delta = b.gather_params(b.flat)
+                torch.sub(b.snapshot, delta, out=delta)   # before - after: this rank's update
             items.append((b, delta, delta))
         try:
             results = self.run(items)
@@ -406,13 +414,20 @@ class Sharing:
             for p, g in saved:
                 p.grad = g
 
+    def _grads_flag(self) -> torch.Tensor:
+        dev = self.buckets[0].device if self.buckets else torch.device("cpu")
+        return comm.any_nonfinite([p.grad for b in self.buckets for p in b.params if p.grad is not None]).to(dev)
+
+    def grads_nonfinite(self) -> bool:
+        """Whether this rank's gradients hold a NaN or Inf (local: no collective)."""
+        return bool(self._grads_flag().item())
+
     def nonfinite_ranks(self) -> List[int]:
         """The ranks whose gradients hold a NaN or Inf (an all-gather of one flag per rank: the same list on
-        every rank), checked before the optimizer's local step so that a step stopped for them changes
-        nothing, optimizer state included."""
-        dev = self.buckets[0].device if self.buckets else torch.device("cpu")
-        flags = [torch.isfinite(p.grad).all() for b in self.buckets for p in b.params if p.grad is not None]
-        bad = (~torch.stack(flags)).any().float().reshape(1).to(dev) if flags else torch.zeros(1, device=dev)
+        every rank), checked before the optimizer's local step so that a step dropped for them changes
+        nothing, optimizer state included (nonfinite="skip")."""
+        bad = self._grads_flag()
+        dev = bad.device
         every = torch.empty(self.world_size, device=dev)
         comm.all_gather_fn()(every, bad, group=self.process_group)
         return [r for r, x in enumerate(every.tolist()) if x > 0]

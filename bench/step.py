@@ -1,0 +1,120 @@
+"""Step time of each way to share a step, against DDP allreduce measured in the same run (loopback, CPU).
+
+Each contender trains the 3.7M-parameter MLP of bench/workloads.py on fixed random batches over ``--workers``
+gloo ranks on this machine (torch threads 1 each; no link shaping: what is left is the work gradshare adds
+to a step, not the time it saves on a slow link, which bench/e2e.py measures). Every step starts at a
+barrier; the median over ``--steps`` steps after ``--warmup`` is reported, with its ratio to DDP's median
+from the same run. ``--compression topk`` gives every gradshare contender TopK(0.01, bf16 values, no
+warm-up), a policy every gradshare version has, so that two versions can be compared: run the script once
+per version (``PYTHONPATH=<its python dir>``) and compare the ratios.
+
+    python bench/step.py --repeat 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+CONTENDERS = ("ddp", "gradshare", "gradshare_optimizer", "gradshare_hook_gradients")
+DESCRIPTIONS = {
+    "ddp": "DDP allreduce",
+    "gradshare": "DDP + threshold_hook, ThresholdState(optimizer=opt) (updates shared; the README's one line)",
+    "gradshare_optimizer": "SharedOptimizer(opt) (updates shared)",
+    "gradshare_hook_gradients": "DDP + threshold_hook, ThresholdState() (gradients shared)",
+}
+
+
+def _rank(rank: int, world: int, port: int, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=120))
+    torch.set_num_threads(1)
+    import gradshare as gs
+    import workloads
+    from gradshare.compression import TopK
+
+    def compression():
+        return TopK(0.01, values="bf16", warmup_steps=0) if args.compression == "topk" else None
+
+    g = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(32, 1, 28, 28, generator=g), torch.randint(0, 10, (32,), generator=g)) for _ in range(8)]
+
+    def setup(name):
+        torch.manual_seed(0)
+        model = workloads.MLP()
+        if name == "gradshare_optimizer":
+            opt = gs.SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                     compression=compression())
+            return model, opt
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        if name == "gradshare":
+            ddp.register_comm_hook(gs.ThresholdState(optimizer=opt, compression=compression()), gs.threshold_hook)
+        elif name == "gradshare_hook_gradients":
+            ddp.register_comm_hook(gs.ThresholdState(compression=compression()), gs.threshold_hook)
+        return ddp, opt
+
+    medians = {}
+    for name in args.contenders.split(","):
+        fwd, opt = setup(name)
+        times = []
+        for i in range(args.warmup + args.steps):
+            x, y = batches[i % len(batches)]
+            dist.barrier()
+            t = time.perf_counter()
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(fwd(x), y).backward()
+            opt.step()
+            times.append(time.perf_counter() - t)
+        medians[name] = statistics.median(times[args.warmup:]) * 1e3
+    if rank == 0:
+        queue.put(medians)
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--warmup", type=int, default=60, help="steps not timed (the default policies warm up in 50)")
+    p.add_argument("--repeat", type=int, default=1, help="whole runs, each with its own DDP baseline")
+    p.add_argument("--compression", choices=("default", "topk"), default="default")
+    p.add_argument("--port", type=int, default=29811)
+    p.add_argument("--json", help="write every run's medians here")
+    args = p.parse_args(argv)
+    unknown = [c for c in args.contenders.split(",") if c not in CONTENDERS]
+    if unknown or "ddp" not in args.contenders.split(","):
+        p.error(f"--contenders: from {', '.join(CONTENDERS)}, ddp included (the baseline); got {args.contenders}")
+    import torch.multiprocessing as mp
+
+    runs = []
+    for r in range(args.repeat):
+        queue = mp.get_context("spawn").SimpleQueue()
+        mp.spawn(_rank, args=(args.workers, args.port + r, args, queue), nprocs=args.workers)
+        runs.append(queue.get())
+    print(f"median step (ms) over {args.steps} steps, {args.workers} workers, compression {args.compression}; "
+          f"ratio to DDP in the same run")
+    print("| contender | " + " | ".join(f"run {i + 1}" for i in range(len(runs))) + " | median ratio |")
+    print("|---|" + "---:|" * (len(runs) + 1))
+    for name in args.contenders.split(","):
+        ratios = [run[name] / run["ddp"] for run in runs]
+        cells = " | ".join(f"{run[name]:.1f} ({run[name] / run['ddp']:.2f}x)" for run in runs)
+        print(f"| {name} | {cells} | {statistics.median(ratios):.2f}x |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "runs": runs}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
