@@ -34,9 +34,9 @@ from torch.nn import functional as F
 # contender name -> what it runs
 CONTENDERS: Dict[str, str] = {
     "ddp_allreduce": "DDP, default float32 allreduce",
-    "gradshare": "DDP + gradshare threshold_hook with ThresholdState(optimizer=opt): the defaults (the SGD's updates "
-                 "shared, top-k)",
-    "gradshare_optimizer_auto": "gradshare SharedOptimizer(opt): the defaults",
+    "gradshare_auto": "DDP + gradshare threshold_hook with ThresholdState(optimizer=opt): the defaults (link-aware: "
+                      "DDP's all-reduce where the link makes it faster, else the SGD's updates shared, top-k)",
+    "gradshare_optimizer_auto": "gradshare SharedOptimizer(opt): the defaults (link-aware)",
     "ddp_fp16": "DDP + fp16_compress_hook",
     "ddp_powersgd": "DDP + powerSGD_hook (rank 2, start_powerSGD_iter = 10% of steps)",
     "torch_averaging": "local SGD + PostLocalSGDOptimizer(PeriodicModelAverager(period))",
@@ -53,7 +53,7 @@ WORKLOADS = ("mnist_cnn", "mlp")
 
 def missing_reason(contender: str) -> Optional[str]:
     """Why a contender cannot run in this environment (its gradshare module is absent), else None."""
-    need = {"gradshare": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
+    need = {"gradshare_auto": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
             "gradshare_optimizer_auto": ("gradshare.optim", ("SharedOptimizer",)),
             "gradshare_hook": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
             "gradshare_optimizer": ("gradshare.optim", ("SharedOptimizer",)),
@@ -156,7 +156,7 @@ def setup_contender(name: str, model: nn.Module, args, total_steps: int, timer: 
         th = Adaptive(initial=args.dgc_initial_tau, decay=args.dgc_decay, warmup_steps=args.dgc_warmup_steps)
         return th, (ResidualClipping() if args.dgc_clipping else None)
 
-    if name in ("ddp_allreduce", "ddp_fp16", "ddp_powersgd", "gradshare", "gradshare_hook", "gradshare_hook_dgc"):
+    if name in ("ddp_allreduce", "ddp_fp16", "ddp_powersgd", "gradshare_auto", "gradshare_hook", "gradshare_hook_dgc"):
         if name == "ddp_powersgd":
             # One bucket: on gloo, powerSGD_hook issues its Q allreduce from the P allreduce's callback, which
             # races with the next bucket's hook, so ranks can order collectives differently and gloo aborts
@@ -179,7 +179,7 @@ def setup_contender(name: str, model: nn.Module, args, total_steps: int, timer: 
                                      warm_start=True, random_seed=args.seed)
             ddp.register_comm_hook(state, timer.wrap(ps.powerSGD_hook))
             info.update(start_powerSGD_iter=start, matrix_approximation_rank=args.powersgd_rank)
-        elif name == "gradshare":
+        elif name == "gradshare_auto":
             from gradshare.hooks import ThresholdState, threshold_hook
 
             opt = sgd(ddp.parameters())
@@ -187,7 +187,7 @@ def setup_contender(name: str, model: nn.Module, args, total_steps: int, timer: 
             ddp.register_comm_hook(state, timer.wrap(threshold_hook))
             info["compression"] = repr(state.sharing.compression)
             account = lambda: {"bytes_sent": state.stats.bytes_sent, "dense_bytes": state.stats.dense_bytes,  # noqa
-                               "summary": _jsonable(state.stats.summary())}
+                               "summary": _jsonable(state.stats.summary()), "link": _link(state.sharing)}
             return ddp, opt, info, account
         elif name == "gradshare_hook":
             from gradshare.hooks import ThresholdState, threshold_hook
@@ -222,7 +222,7 @@ def setup_contender(name: str, model: nn.Module, args, total_steps: int, timer: 
         opt = SharedOptimizer(sgd(model.parameters()))
         info["compression"] = repr(opt.compression)
         account = lambda: {"bytes_sent": opt.stats.bytes_sent, "dense_bytes": opt.stats.dense_bytes,  # noqa: E731
-                           "summary": _jsonable(opt.stats.summary())}
+                           "summary": _jsonable(opt.stats.summary()), "link": _link(opt.sharing)}
         return model, opt, info, account
     if name == "gradshare_optimizer":
         from gradshare.optim import SharedOptimizer
@@ -253,6 +253,12 @@ def setup_contender(name: str, model: nn.Module, args, total_steps: int, timer: 
     raise ValueError(f"unknown contender {name!r}")
 
 
+def _link(sharing) -> Optional[dict]:
+    """The link-aware choice and the step times it was made from (None without one)."""
+    link = getattr(sharing, "link", None)
+    return None if link is None else _jsonable(link.summary())
+
+
 def _jsonable(x):
     return json.loads(json.dumps(x, default=lambda o: str(o)))
 
@@ -275,11 +281,12 @@ def calibrate_compute(model: nn.Module, x: torch.Tensor, y: torch.Tensor, args, 
 
 # ------------------------------------------------------------------------------------------------ main
 def run(args) -> dict:
+    from gradshare.cluster import _init_process_group   # the torchrun environment, as the cluster trainer joins it
     from gradshare import process_group
     from gradshare.data import train_shard
 
     torch.set_num_threads(1)
-    process_group.init_process_group("gloo")
+    _init_process_group("gloo", collective_timeout=300.0)
     rank, world = dist.get_rank(), dist.get_world_size()
     (xtr, ytr), (xte, yte) = load_data(args.data_dir, args.train_subset, args.test_subset, args.seed)
     torch.manual_seed(args.seed)

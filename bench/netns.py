@@ -313,10 +313,11 @@ def _allreduce_worker(floats: int, repeats: int) -> None:
     import torch
     import torch.distributed as dist
 
+    from gradshare.cluster import _init_process_group   # the torchrun environment, as the cluster trainer joins it
     from gradshare import process_group
 
     torch.set_num_threads(1)
-    process_group.init_process_group("gloo")
+    _init_process_group("gloo", collective_timeout=300.0)
     x = torch.ones(floats)
     dist.all_reduce(torch.ones(1))                     # connect before timing
     times = []

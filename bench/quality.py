@@ -15,7 +15,9 @@ seen).
     python bench/quality.py --report bench/results/quality    # re-render the tables of a run
 
 Contenders: ``ddp`` (DDP allreduce), ``powersgd`` (torch's PowerSGD hook, rank 2, dense for the first 10%
-of steps as its docs advise), ``gradshare`` (DDP + ``ThresholdState(optimizer=opt)``: the defaults),
+of steps as its docs advise), ``gradshare`` (DDP + ``ThresholdState(optimizer=opt, link=None)``: the
+defaults with compression on at every step), ``gradshare_auto`` (``ThresholdState(optimizer=opt)`` as is:
+link-aware, so on this loopback link mostly DDP's all-reduce; gradshare.link),
 ``gradshare_1e-2`` / ``gradshare_1e-3`` (forced densities, ``compression=TargetSparsity(d)``), and for
 the record of how the defaults were chosen: ``gradshare_ternary`` / ``gradshare_topk`` (the two codecs on
 every workload), ``gradshare_gradients`` (the hook without ``optimizer=``: gradients shared),
@@ -44,7 +46,7 @@ from typing import Dict, List
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-CONTENDERS = ("ddp", "powersgd", "gradshare", "gradshare_1e-2", "gradshare_1e-3", "gradshare_ternary",
+CONTENDERS = ("ddp", "powersgd", "gradshare", "gradshare_auto", "gradshare_1e-2", "gradshare_1e-3", "gradshare_ternary",
               "gradshare_topk", "gradshare_gradients", "gradshare_strom", "single",
               "avg_h5", "avg_h20", "diloco_h20", "diloco_h50", "diloco_h20_m0", "sparse_h20", "sparse_h50")
 LOCAL_STEPS = {
@@ -146,7 +148,9 @@ def rank_main(cfg: Dict) -> Dict:
         import gradshare
 
         kwargs = {"optimizer": opt}
-        if name == "gradshare_1e-2":
+        if name == "gradshare":
+            kwargs["link"] = None          # the compression itself, at every step, whatever the link
+        elif name == "gradshare_1e-2":
             kwargs["compression"] = gradshare.TargetSparsity(target=0.01)
         elif name == "gradshare_1e-3":
             kwargs["compression"] = gradshare.TargetSparsity(target=0.001)

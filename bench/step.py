@@ -4,7 +4,9 @@ Each contender trains the 3.7M-parameter MLP of bench/workloads.py on fixed rand
 gloo ranks on this machine (torch threads 1 each; no link shaping: what is left is the work gradshare adds
 to a step, not the time it saves on a slow link, which bench/e2e.py measures). Every step starts at a
 barrier; the median over ``--steps`` steps after ``--warmup`` is reported, with its ratio to DDP's median
-from the same run. ``--compression topk`` gives every gradshare contender TopK(0.01, bf16 values, no
+from the same run. The defaults are link-aware (gradshare.link: on this loopback link they settle on DDP's
+all-reduce; the compressed probes they run from time to time fall outside the median);
+``--compression compressed`` turns that off (link=None) to time the compressed step. ``--compression topk`` gives every gradshare contender TopK(0.01, bf16 values, no
 warm-up), a policy every gradshare version has, so that two versions can be compared: run the script once
 per version (``PYTHONPATH=<its python dir>``) and compare the ratios.
 
@@ -42,8 +44,10 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
     import workloads
     from gradshare.compression import TopK
 
-    def compression():
-        return TopK(0.01, values="bf16", warmup_steps=0) if args.compression == "topk" else None
+    def sharing_kwargs():
+        if args.compression == "topk":
+            return {"compression": TopK(0.01, values="bf16", warmup_steps=0)}
+        return {"link": None} if args.compression == "compressed" else {}
 
     g = torch.Generator().manual_seed(rank)
     batches = [(torch.randn(32, 1, 28, 28, generator=g), torch.randint(0, 10, (32,), generator=g)) for _ in range(8)]
@@ -53,14 +57,14 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
         model = workloads.MLP()
         if name == "gradshare_optimizer":
             opt = gs.SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                     compression=compression())
+                                     **sharing_kwargs())
             return model, opt
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
         if name == "gradshare":
-            ddp.register_comm_hook(gs.ThresholdState(optimizer=opt, compression=compression()), gs.threshold_hook)
+            ddp.register_comm_hook(gs.ThresholdState(optimizer=opt, **sharing_kwargs()), gs.threshold_hook)
         elif name == "gradshare_hook_gradients":
-            ddp.register_comm_hook(gs.ThresholdState(compression=compression()), gs.threshold_hook)
+            ddp.register_comm_hook(gs.ThresholdState(**sharing_kwargs()), gs.threshold_hook)
         return ddp, opt
 
     medians = {}
@@ -88,7 +92,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--warmup", type=int, default=60, help="steps not timed (the default policies warm up in 50)")
     p.add_argument("--repeat", type=int, default=1, help="whole runs, each with its own DDP baseline")
-    p.add_argument("--compression", choices=("default", "topk"), default="default")
+    p.add_argument("--compression", choices=("default", "compressed", "topk"), default="default",
+                   help="default: gradshare's defaults (link-aware); compressed: the defaults with link=None "
+                        "(compression at every step); topk: TopK(0.01, bf16 values, no warm-up)")
     p.add_argument("--port", type=int, default=29811)
     p.add_argument("--json", help="write every run's medians here")
     args = p.parse_args(argv)

@@ -94,7 +94,9 @@ def train(config, ctx):
     if config.get("hook"):
         import gradshare
 
-        ddp.register_comm_hook(gradshare.ThresholdState(optimizer=opt), gradshare.threshold_hook)
+        # link=None: compressed at every step, so that a resumed run repeats an uninterrupted one bit for bit
+        # (link-aware choices follow measured times, which differ from run to run).
+        ddp.register_comm_hook(gradshare.ThresholdState(optimizer=opt, link=None), gradshare.threshold_hook)
     torch.manual_seed(seed * 7919 + ctx.rank)  # dropout masks differ per rank; restored from checkpoints
     totals = {"steps": 0, "samples": 0, "steps_seen": []}
     shared, own = ({"model": model}, {"model": model, "optimizer": opt}) if local else \

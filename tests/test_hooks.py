@@ -94,8 +94,8 @@ def _fit_mnist(data, hook, epochs=2, bs=32, lr=0.05):
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
     state = None
-    if hook:   # the README's one line, defaults
-        state = ThresholdState(optimizer=opt)
+    if hook:   # the README's one line, defaults, compressing at every step (not link-aware: link=None)
+        state = ThresholdState(optimizer=opt, link=None)
         ddp.register_comm_hook(state, threshold_hook)
     mine = torch.arange(r, len(xs), w)
     steps = 0

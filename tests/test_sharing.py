@@ -42,8 +42,8 @@ class Run:
             # A small bucket cap: DDP starts with one bucket and rebuilds into several after iteration 0.
             self.net = DDP(self.model, bucket_cap_mb=cap_mb)
             kwargs = dict(compression=compression, nonfinite=nonfinite, momentum=momentum)
-            if mode == "updates":
-                kwargs.update(optimizer=inner, bucket_cap_mb=cap_mb)
+            if mode == "updates":   # compression at every step (link=None): what these tests are about
+                kwargs.update(optimizer=inner, bucket_cap_mb=cap_mb, link=None)
             self.state = ThresholdState(**kwargs)
             self.net.register_comm_hook(self.state, threshold_hook)
             self.opt = inner
@@ -51,7 +51,7 @@ class Run:
         else:
             self.net = self.model
             self.state = self.opt = SharedOptimizer(inner, mode=mode, compression=compression, nonfinite=nonfinite,
-                                                    bucket_cap_mb=cap_mb, momentum=momentum)
+                                                    bucket_cap_mb=cap_mb, momentum=momentum, link=None)
             self.objects = (self.model, self.opt)
 
     @property
@@ -277,6 +277,7 @@ def _scaled_and_plain():
             opt.step()
         out[front] = (_flat(model), _with_grad_scaler(front)[0])
     out["hook_inf"] = _with_grad_scaler("hook", bad_at=3)
+    out["optimizer_inf"] = _with_grad_scaler("optimizer", bad_at=3)
     return out
 
 
@@ -290,6 +291,13 @@ def test_grad_scaler_changes_nothing_and_an_inf_skips_everywhere():
         params, scales = r["hook_inf"]
         assert scales[3] == scales[2] / 2                  # rank 1's inf: every rank's scaler backs off
         assert np.array_equal(params, res[0]["hook_inf"][0])
+        # SharedOptimizer: every rank skips that step together (the replicas stay equal); each rank's scaler
+        # backs off for its own overflow only, which changes nothing shared (gradients are unscaled first).
+        params, scales = r["optimizer_inf"]
+        assert np.array_equal(params, res[0]["optimizer_inf"][0])
+    assert res[1]["optimizer_inf"][1][3] == res[1]["optimizer_inf"][1][2] / 2
+    assert res[0]["optimizer_inf"][1][3] == res[0]["optimizer_inf"][1][2]
+    assert not np.array_equal(res[0]["optimizer_inf"][0], res[0]["optimizer"][1])   # steps after the skip ran
 
 
 def _one_rank():

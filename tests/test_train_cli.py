@@ -35,8 +35,9 @@ def test_default_command_trains_to_the_floor_and_writes_csv_and_png(tmp_path, ca
     out = capsys.readouterr().out
     acc = float(re.search(r"final test accuracy: ([\d.]+)%", out).group(1)) / 100
     assert acc >= DEFAULT_FLOOR, out
-    m = re.search(r"bytes sent \(all workers\): .*; dense allreduce would have sent .*, ([\d.]+)x less", out)
-    assert m and float(m.group(1)) > 10, out
+    # Link-aware by default: on this loopback link most steps may be all-reduced, so no bytes ratio is promised
+    # here (tests/test_hooks.py and tests/test_parallel.py check what compression saves).
+    assert re.search(r"link-aware: \d+ of 276 steps by float32 all-reduce, \d+ compressed", out), out
     assert "wall time:" in out
     rows = _read_csv(csv_path)
     assert len(rows) == 12 * 23                  # 12 epochs of ceil(719 / 32) steps (rank 0)
@@ -128,7 +129,8 @@ def test_local_steps_modes_build_parameter_averaging_options():
 # ------------------------------------------------------------------------------------------- launchers
 # One epoch on digits (23 steps of 2 x 32 samples): every launcher runs the same train_job per rank, with the
 # same seed, data shards and one torch thread per worker, so the runs agree to the last bit.
-TINY = ["train", "--epochs", "1", "--seed", "1", "--no-progress"]
+# --link off: every launcher's run must repeat the local one bit for bit (link-aware choices follow timings)
+TINY = ["train", "--epochs", "1", "--seed", "1", "--no-progress", "--link", "off"]
 
 
 def _summary(out):

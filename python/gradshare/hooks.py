@@ -11,7 +11,9 @@ on whether any gradient was non-finite); ``opt.step()`` then runs the user's opt
 gradshare, from the optimizer's step hooks, shares the change it made with error feedback and gives every
 rank the same decoded mean. The optimizer, its scheduler, gradient clipping and a GradScaler are used as
 in plain DDP; the compression is chosen for the optimizer (gradshare.compression.for_optimizer). With one
-rank the hook returns DDP's own result and nothing is encoded.
+rank the hook returns DDP's own result and nothing is encoded. With the default compression the state is
+link-aware (gradshare.link): on steps where compressing is slower than DDP's all-reduce on this link, the
+hook is DDP's all-reduce (overlapped with backward) and the optimizer steps on the mean gradient.
 
 Without ``optimizer=`` the hook shares gradients (gradshare.sharing, "gradients"): each DDP bucket's
 gradient is encoded with that bucket's residual and exchanged, and the hook returns the MEAN of what all
@@ -68,6 +70,9 @@ class ThresholdState(SharingFront):
             (the optimizer must then run without momentum). Not used with ``optimizer=``.
         optimizer: the optimizer that steps the DDP model: share its updates (recommended).
         bucket_cap_mb: bucket size (fp32 MiB) of the updates mode.
+        link: "auto" (default): with ``optimizer=`` and the default compression, steps on which the link
+            makes compression slower than DDP's all-reduce are DDP's all-reduce (gradshare.link); None:
+            always compress.
         threshold: the former name of ``compression`` (deprecated).
     """
 
@@ -75,7 +80,7 @@ class ThresholdState(SharingFront):
                  nonfinite: str = "raise", *, average: bool = True, fallback: str = "auto",
                  stats: Optional[Statistics] = None, momentum: Optional[float] = None,
                  optimizer: Optional[torch.optim.Optimizer] = None, bucket_cap_mb: float = 25.0,
-                 threshold: Any = None):
+                 threshold: Any = None, link: Any = "auto"):
         if threshold is not None:
             if compression is not None:
                 raise TypeError("pass compression= or its former name threshold=, not both")
@@ -88,11 +93,11 @@ class ThresholdState(SharingFront):
         clip = ResidualClipping() if clipping is _DEFAULT else clipping
         self._config = {"compression": compression, "clipping": clip, "nonfinite": nonfinite,
                         "average": average, "fallback": fallback, "momentum": momentum,
-                        "bucket_cap_mb": bucket_cap_mb}
+                        "bucket_cap_mb": bucket_cap_mb, "link": link}
         self.sharing = Sharing(compression, optimizer=optimizer, process_group=process_group,
                                reduce="mean" if average else "sum", nonfinite=nonfinite, fallback=fallback,
                                stats=stats, momentum=momentum, clipping=clip,
-                               mode="updates" if optimizer is not None else "gradients")
+                               mode="updates" if optimizer is not None else "gradients", link=link)
         self.optimizer = optimizer
         self.mode = self.sharing.mode
         self._init_runtime()
@@ -115,6 +120,8 @@ class ThresholdState(SharingFront):
         self._bad = None                           # updates mode: this backward's non-finite flag
         self._nonfinite_ranks: List[int] = []      # updates mode: ranks whose gradients were not finite
         self._saved_grads: Optional[list] = None
+        self._allreduce_step = False               # updates mode: this step's gradients were all-reduced
+        self._mean_bad = None                      # ... and whether their mean holds a NaN or Inf
 
     # -- what the rest of gradshare reads ------------------------------------------------------------
     @property
@@ -136,16 +143,26 @@ class ThresholdState(SharingFront):
         sh.step_skipped = False
         if sh.world_size == 1:
             return
+        self._allreduce_step = sh.allreduce_now()
+        if self._allreduce_step:          # the mean gradient is the same on every rank: a local check agrees
+            with self._lock:
+                bad, self._mean_bad = self._mean_bad, None
+            self._nonfinite_ranks = [-1] if (sh.grads_nonfinite() if bad is None else bool(bad.item())) else []
         if self._nonfinite_ranks:
             if sh.nonfinite == "raise":
                 ranks, self._nonfinite_ranks = self._nonfinite_ranks, []
+                if ranks == [-1]:
+                    raise NonFiniteStepError(sh.step, [], [], "mean gradient")
                 raise NonFiniteStepError(sh.step, ranks, [-1] * len(ranks), "gradients")
             # Skip: the optimizer steps no parameter whose grad is None, so its state is not touched either.
             self._saved_grads = [(p, p.grad) for b in sh.buckets for p in b.params]
             for p, _ in self._saved_grads:
                 p.grad = None
             return
-        sh.begin_updates()
+        if self._allreduce_step:
+            sh.make_consistent(optimizer)
+        else:
+            sh.begin_updates()
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         sh = self.sharing
@@ -158,7 +175,10 @@ class ThresholdState(SharingFront):
             self._nonfinite_ranks = []
             sh.skip_step()
             return
-        sh.share_updates()
+        if self._allreduce_step:
+            sh.end_allreduce_step()
+        else:
+            sh.share_updates()
 
     # -- gradients mode: DDP's buckets ---------------------------------------------------------------
     def _stable_id(self, p) -> int:
@@ -270,7 +290,7 @@ class ThresholdState(SharingFront):
         cfg = d["config"]
         self.__init__(None, cfg["compression"], cfg["clipping"], cfg["nonfinite"], average=cfg["average"],
                       fallback=cfg["fallback"], stats=Statistics(**d["stats_config"]), momentum=cfg["momentum"],
-                      bucket_cap_mb=cfg["bucket_cap_mb"])
+                      bucket_cap_mb=cfg["bucket_cap_mb"], link=cfg.get("link", "auto"))
         if d.get("state") is not None:
             self.load_state_dict(d["state"])
 
@@ -336,6 +356,23 @@ def _updates_hook(state: ThresholdState, bucket, buf: torch.Tensor) -> torch.fut
     which ranks saw a non-finite gradient in this backward (an all-gather of one flag per rank) and, if any
     did, makes this rank's last bucket non-finite too, so that every rank sees it (a GradScaler then skips
     the step everywhere, as with DDP)."""
+    if bucket.index() == 0:
+        state.sharing.agree_all()                  # the first step's first collective: ranks agree their configuration
+    if state.sharing.allreduce_now():              # DDP's own step: the mean gradient, overlapped with backward
+        if bucket.index() == 0:                    # DDP reduces its buckets in order: a new backward
+            with state._lock:
+                state._mean_bad = None
+        world = dist.get_world_size(state.process_group)
+        work = dist.all_reduce(buf.div_(world), group=state.process_group, async_op=True)
+
+        def reduced(f) -> torch.Tensor:
+            out = f.value()[0]
+            bad = comm.any_nonfinite([out])        # checked here, off the critical path, read in opt.step()
+            with state._lock:
+                state._mean_bad = bad if state._mean_bad is None else torch.maximum(state._mean_bad, bad)
+            return out
+
+        return work.get_future().then(reduced)
     bad = comm.any_nonfinite([buf])
     with state._lock:
         state._bad = bad if state._bad is None else torch.maximum(state._bad, bad)

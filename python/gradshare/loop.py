@@ -64,7 +64,8 @@ class TrainConfig:
 
     ``batch_size`` is per worker. ``mode``: "shared_gradients" (gradshare.optim.SharedOptimizer with
     ``compression`` (None: chosen for the optimizer, gradshare.compression) and ``clipping`` (for +-tau
-    thresholds); ``shared`` picks what is encoded: "updates" (default) or "gradients") or
+    thresholds); ``shared`` picks what is encoded: "updates" (default) or "gradients"; ``link``: "auto"
+    (link-aware, gradshare.link) or None (compression at every step: runs repeat bit for bit)) or
     "averaging" (ParameterAveraging every ``averaging_frequency`` steps; with ``outer_optimizer`` (a spec as
     for ``optimizer``) and/or ``compression`` only the pseudo-gradient is shared, with ``residual_decay``:
     DiLoCo and SparseLoCo, gradshare.averaging). ``devices``: device i % len
@@ -81,6 +82,7 @@ class TrainConfig:
     shared: str = "updates"
     compression: Any = None
     clipping: Any = "default"
+    link: Any = "auto"
     averaging_frequency: int = 5
     average_optimizer_state: Optional[bool] = None
     outer_optimizer: Optional[OptimizerSpec] = None
@@ -175,7 +177,7 @@ def _build_trainer(cfg: TrainConfig, model: nn.Module):
                                   residual_decay=cfg.residual_decay)
     from gradshare.optim import SharedOptimizer
 
-    kwargs = {"mode": cfg.shared, "compression": copy.deepcopy(cfg.compression)}
+    kwargs = {"mode": cfg.shared, "compression": copy.deepcopy(cfg.compression), "link": copy.deepcopy(cfg.link)}
     if cfg.clipping != "default":
         kwargs["clipping"] = copy.deepcopy(cfg.clipping)
     # Replicas must start equal: the sharing keeps them equal only if they are.

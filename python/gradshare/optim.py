@@ -71,15 +71,20 @@ class SharedOptimizer(SharingFront, WrappedOptimizer):
         stats: a Statistics to record into (default: a new one, ``opt.stats``).
         momentum: None (default) or m in [0, 1): momentum correction in gradshare, mode "gradients" only;
             the inner optimizer must have no momentum.
+        link: "auto" (default): in "updates" mode with the default compression, steps on which the link
+            makes compression slower than a float32 all-reduce of the gradients all-reduce them instead
+            (gradshare.link); None: always compress.
         threshold: the former name of ``compression`` (deprecated).
 
     The wrapper forwards ``param_groups``, ``state``, ``zero_grad``; give LR schedulers ``opt.optimizer``.
+    Under ``torch.amp.GradScaler`` (``scaler.step(opt)``) the gradients are unscaled before anything is
+    shared, and a step whose scaled gradients overflowed on any rank is skipped on every rank.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, mode: str = "updates", compression: Any = None,
                  clipping: Any = _DEFAULT, process_group=None, nonfinite: str = "raise", *, reduce: str = "mean",
                  bucket_cap_mb: float = 25.0, fallback: str = "auto", stats: Optional[Statistics] = None,
-                 momentum: Optional[float] = None, threshold: Any = None):
+                 momentum: Optional[float] = None, threshold: Any = None, link: Any = "auto"):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
         if threshold is not None:
@@ -101,7 +106,7 @@ class SharedOptimizer(SharingFront, WrappedOptimizer):
         clip = ResidualClipping() if clipping is _DEFAULT else clipping
         self.sharing = Sharing(compression, optimizer=optimizer, process_group=process_group, reduce=reduce,
                                nonfinite=nonfinite, fallback=fallback, stats=stats, momentum=momentum,
-                               clipping=clip, mode=mode)
+                               clipping=clip, mode=mode, link=link)
         self.sharing.build((p for g in optimizer.param_groups for p in g["params"]), bucket_cap_mb)
 
     # -- gradshare state -------------------------------------------------------------------------------
@@ -120,6 +125,37 @@ class SharedOptimizer(SharingFront, WrappedOptimizer):
         return [b.compression.threshold for b in self.sharing.buckets if isinstance(b.compression, Strom)]
 
     # -- the step -------------------------------------------------------------------------------------------
+    # A GradScaler (torch.amp) calls step() on every rank and leaves skipping it to the optimizer (setting
+    # ``found_inf``, this rank's overflow flag, and ``grad_scale`` for that call). Without this a rank whose
+    # scaled gradients overflowed would skip the step alone, and the ranks' exchanges would pair different
+    # steps.
+    _step_supports_amp_scaling = True
+
+    def _grad_scaler_skips(self) -> bool:
+        """Under a GradScaler: True when any rank's gradients overflowed (every rank then skips the step;
+        each rank's scaler backs off for its own overflow only); otherwise the gradients are unscaled in
+        place exactly as GradScaler.unscale_ does, so what is shared is in the units of an unscaled run."""
+        sh = self.sharing
+        found = self.found_inf
+        if sh.world_size > 1:
+            overflowed = bool(sh.flagged_ranks(found.detach().float().reshape(1)))
+        else:
+            overflowed = bool(found.item())
+        if overflowed:
+            return True
+        scale = getattr(self, "grad_scale", None)      # None: the user called scaler.unscale_(opt) already
+        if scale is not None:
+            inv = scale.double().reciprocal().float()
+            grads: Dict[Any, List[torch.Tensor]] = {}
+            for g in self.optimizer.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        grads.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+            for (device, _), ts in grads.items():
+                torch._amp_foreach_non_finite_check_and_unscale_(ts, torch.zeros(1, device=device),
+                                                                 inv.to(device))
+        return False
+
     def step(self, closure: Optional[Callable[[], Any]] = None):
         loss = None
         if closure is not None:
@@ -127,12 +163,21 @@ class SharedOptimizer(SharingFront, WrappedOptimizer):
                 loss = closure()
         sh = self.sharing
         sh.step_skipped = False
+        if getattr(self, "found_inf", None) is not None and self._grad_scaler_skips():
+            sh.skip_step()
+            return loss
         if sh.world_size == 1:
             self.optimizer.step()
             return loss
         if self.mode == "gradients":
             if sh.share_gradients():
                 self.optimizer.step()
+            return loss
+        if sh.allreduce_now():                    # the link-aware choice on a fast link: DDP's step
+            if sh.allreduce_gradients():
+                sh.make_consistent(self.optimizer)
+                self.optimizer.step()
+                sh.end_allreduce_step()
             return loss
         bad_here = False
         if sh.nonfinite == "skip":

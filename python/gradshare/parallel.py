@@ -83,6 +83,9 @@ class ParallelWrapper:
         compression: what sharing sends (gradshare.compression; default: chosen for the optimizer); in
             averaging mode, what a round sends of the pseudo-gradient (default: parameters averaged).
         threshold: the former name of ``compression`` (deprecated).
+        link: shared_gradients with the default compression: "auto" (link-aware: steps by float32 all-reduce
+            where compressing is slower, gradshare.link) or None (compression at every step: a fit repeats
+            bit for bit).
         devices: devices to place workers on (worker i on devices[i % len]); default the GPUs, else CPU.
         seed: fixes the data order of every epoch (and each worker's torch RNG).
         progress: show a tqdm progress bar (rank 0).
@@ -96,7 +99,7 @@ class ParallelWrapper:
                  seed: int = 0, *, optimizer_kwargs: Optional[Dict[str, Any]] = None, shared: str = "updates",
                  clipping: Any = "default", average_optimizer_state: Optional[bool] = None, warmup_steps: int = 0,
                  progress: bool = True, timeout: float = 7 * _DAY, threshold: Any = None,
-                 outer_optimizer: Any = None, residual_decay: float = 1.0):
+                 outer_optimizer: Any = None, residual_decay: float = 1.0, link: Any = "auto"):
         if threshold is not None:
             if compression is not None:
                 raise TypeError("pass compression= or its former name threshold=, not both")
@@ -125,11 +128,12 @@ class ParallelWrapper:
         self.average_optimizer_state = average_optimizer_state
         self.outer_optimizer = outer_optimizer
         self.residual_decay = float(residual_decay)
+        self.link = link
         self.warmup_steps = int(warmup_steps)
         self.progress = progress
         self.timeout = float(timeout)
         self.steps: List[Dict[str, Any]] = []  # per-step records of rank 0 in the last fit
-        for name in ("optimizer", "loss_fn", "compression", "clipping", "outer_optimizer"):
+        for name in ("optimizer", "loss_fn", "compression", "clipping", "outer_optimizer", "link"):
             loop.check_picklable(name, getattr(self, name))
 
     def config(self, data, epochs: int = 1, batch_size: int = 32, validation_data=None,
@@ -138,7 +142,8 @@ class ParallelWrapper:
         cfg = loop.TrainConfig(
             model=self.model, optimizer=self.optimizer, train_data=_shareable(data, "train", self.seed),
             loss_fn=self.loss_fn, epochs=epochs, batch_size=batch_size, mode=self.mode, shared=self.shared,
-            compression=self.compression, clipping=self.clipping, averaging_frequency=self.averaging_frequency,
+            compression=self.compression, clipping=self.clipping, link=self.link,
+            averaging_frequency=self.averaging_frequency,
             average_optimizer_state=self.average_optimizer_state, warmup_steps=self.warmup_steps,
             outer_optimizer=self.outer_optimizer, residual_decay=self.residual_decay,
             validation_data=None if validation_data is None else _shareable(validation_data, "test", self.seed),

@@ -31,6 +31,12 @@ no copy: each bucket has two residual buffers. The encoder reads residual + upda
 does not send into the spare one (``kept``), so the residual is never written during an exchange; a
 completed step swaps the two, a failed one leaves them (velocities likewise).
 
+Link-aware steps (``link``, gradshare.link): sharing updates with the default compression, a step on
+which the link makes compressing slower averages the gradients by one float32 all-reduce per bucket
+instead (DDP's step, bit for bit) and every rank's optimizer steps on that mean; the first such step after
+compressed ones applies the mean residual and averages the optimizer states, so the ranks' states and
+parameters are equal again. Every rank takes the same path at the same step.
+
 Agreement: before a bucket's first exchange (and after DDP rebuilds its buckets) the ranks all-gather a
 32-byte digest of their configuration: gradshare's version, world size, mode, compression policy and its
 parameters, reduce / nonfinite / fallback / momentum, and the bucket's layout (shapes and dtypes in
@@ -49,6 +55,8 @@ import torch.distributed as dist
 from gradshare import comm
 from gradshare.comm import ExchangeResult, NonFiniteStepError, exchange_async, zero_sent
 from gradshare.compression import Compression, as_compression, for_optimizer
+from gradshare.costmodel import ring_allreduce_bytes
+from gradshare.link import ALLREDUCE, LinkAware
 from gradshare.stats import Statistics, StepRecord, residual_norm
 
 NONFINITE = ("raise", "skip")
@@ -188,12 +196,15 @@ class Sharing:
         residual_decay: beta in (0, 1]: after each exchange what was held back is multiplied by beta, so it
             fades (SparseLoCo's decayed error feedback, for pseudo-gradients that are rare and
             large). 1 (default): plain error feedback.
+        link: "auto" (default): link-aware (gradshare.link.LinkAware: a float32 all-reduce of gradients on
+            steps where the link makes compression slower) when sharing updates with the default
+            compression, mean reduce and fallback; None: always compress; a LinkAware: use it (updates).
     """
 
     def __init__(self, compression: Any = None, *, optimizer: Optional[torch.optim.Optimizer] = None,
                  process_group=None, reduce: str = "mean", nonfinite: str = "raise", fallback: str = "auto",
                  stats: Optional[Statistics] = None, momentum: Optional[float] = None, clipping=None,
-                 mode: str = "gradients", residual_decay: float = 1.0):
+                 mode: str = "gradients", residual_decay: float = 1.0, link: Any = "auto"):
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite: expected 'raise' or 'skip', got {nonfinite!r}")
         if reduce not in REDUCE:
@@ -203,7 +214,8 @@ class Sharing:
         if not 0.0 < float(residual_decay) <= 1.0:
             raise ValueError(f"residual_decay: expected a value in (0, 1], got {residual_decay}")
         self.residual_decay = float(residual_decay)
-        self.compression = as_compression(compression, clipping) or for_optimizer(optimizer)
+        chosen = as_compression(compression, clipping)
+        self.compression = chosen or for_optimizer(optimizer)
         self.process_group = process_group
         self.reduce = reduce
         self.nonfinite = nonfinite
@@ -214,6 +226,13 @@ class Sharing:
         self.step = 0                  # steps completed (the policies' step: warm-up, clipping)
         self.step_skipped = False
         self.buckets: List[Bucket] = []
+        self.link = _resolve_link(link, chosen is None and mode == "updates" and reduce == "mean"
+                                  and fallback == "auto" and momentum is None and self.residual_decay == 1.0, mode)
+        if self.link is not None:
+            self.link.steady_from = int(getattr(self.compression, "warmup_steps", 0))
+        # Optimizer states known equal on every rank (link-aware all-reduce steps); None: nothing has run yet.
+        self._consistent: Optional[bool] = None
+        self._sync_bytes = 0
 
     # ------------------------------------------------------------------------------------------ buckets
     @property
@@ -241,7 +260,7 @@ class Sharing:
         return {"gradshare version": __version__, "world size": self.world_size, "mode": self.mode,
                 "compression": b.compression.config(), "reduce": self.reduce, "nonfinite": self.nonfinite,
                 "fallback": self.fallback, "momentum": self.momentum, "residual decay": self.residual_decay,
-                "bucket": b.index,
+                "link": None if self.link is None else self.link.config(), "bucket": b.index,
                 "bucket layout": [f"{tuple(p.shape)} {str(p.dtype).replace('torch.', '')}" for p in b.params]}
 
     def agree(self, b: Bucket) -> None:
@@ -268,6 +287,13 @@ class Sharing:
         raise ConfigurationMismatchError(
             f"bucket {b.index}: the ranks run different configurations; " + "; ".join(diffs or ["(unknown)"]) +
             ". Every rank must share the same model, optimizer setup and gradshare options.")
+
+    def agree_all(self, buckets: Optional[Iterable[Bucket]] = None) -> None:
+        """:meth:`agree` for every bucket (of ``buckets``) not agreed yet, in order, before a step's first
+        collective: ranks that would run different collectives stop at the same all-gather instead."""
+        for b in self.buckets if buckets is None else buckets:
+            if not b.agreed:
+                self.agree(b)
 
     # --------------------------------------------------------------------------------- one bucket's step
     def start(self, b: Bucket, update: torch.Tensor, out: torch.Tensor, name: str) -> torch.futures.Future:
@@ -326,6 +352,7 @@ class Sharing:
         """Exchanges (bucket, update, out) for every bucket (all launched, then all awaited); raises the first
         error after every exchange has ended, so no collective is left in flight, with every bucket restored."""
         futures, error = [], None
+        self.agree_all(b for b, _, _ in items)
         for b, u, o in items:
             try:
                 futures.append((b, self.start(b, u, o, f"bucket {b.index}")))
@@ -360,6 +387,7 @@ class Sharing:
 
     def begin_updates(self) -> None:
         """Before the optimizer's local step: remember every bucket's parameters."""
+        self._consistent = False           # each rank's optimizer now steps on its own gradient
         for b in self.buckets:
             if b.snapshot is None:
                 b.snapshot = torch.empty(b.n, dtype=torch.float32, device=b.device)
@@ -396,6 +424,7 @@ class Sharing:
                 b.set_params(b.flat)
             else:
                 b.set_params(b.snapshot)
+        self.link_step_ended()
         return ok
 
     @torch.no_grad()
@@ -426,16 +455,99 @@ class Sharing:
         """The ranks whose gradients hold a NaN or Inf (an all-gather of one flag per rank: the same list on
         every rank), checked before the optimizer's local step so that a step dropped for them changes
         nothing, optimizer state included (nonfinite="skip")."""
-        bad = self._grads_flag()
-        dev = bad.device
-        every = torch.empty(self.world_size, device=dev)
-        comm.all_gather_fn()(every, bad, group=self.process_group)
+        return self.flagged_ranks(self._grads_flag())
+
+    def flagged_ranks(self, flag: torch.Tensor) -> List[int]:
+        """The ranks whose 1-element float ``flag`` is > 0: one all-gather, the same list on every rank."""
+        every = torch.empty(self.world_size, dtype=flag.dtype, device=flag.device)
+        comm.all_gather_fn()(every, flag, group=self.process_group)
         return [r for r, x in enumerate(every.tolist()) if x > 0]
 
     def skip_step(self) -> None:
         """Records a step dropped before any exchange (every rank agreed its gradients were not finite)."""
         self.step_skipped = True
         self.stats.end_step()
+        self.link_step_ended()
+
+    # ------------------------------------------------------------- link-aware steps (gradshare.link)
+    def allreduce_now(self) -> bool:
+        """Whether this step averages gradients by a float32 all-reduce (the link-aware choice) instead of
+        sharing the optimizer's update compressed. The same on every rank."""
+        return self.link is not None and self.link.mode == ALLREDUCE
+
+    def link_step_ended(self) -> None:
+        if self.link is not None and self.world_size > 1:
+            self.link.step_ended(self._max_over_ranks)
+
+    def _max_over_ranks(self, values: List[float]) -> List[float]:
+        dev = self.buckets[0].device if self.buckets else torch.device("cpu")
+        t = torch.tensor(values, dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+        return t.tolist()
+
+    def allreduce_gradients(self) -> bool:
+        """Every bucket's gradients replaced by their mean over the ranks (one float32 all-reduce each, all in
+        flight together). A non-finite mean (the same on every rank) raises NonFiniteStepError everywhere
+        or, with nonfinite="skip", skips the step (False)."""
+        self.agree_all()
+        world = self.world_size
+        works = [dist.all_reduce(b.gather_grads(b.flat).div_(world), group=self.process_group, async_op=True)
+                 for b in self.buckets]
+        for w in works:
+            w.wait()
+        for b in self.buckets:
+            b.set_grads(b.flat)
+        if self.grads_nonfinite():
+            if self.nonfinite == "raise":
+                raise NonFiniteStepError(self.step, [], [], "mean gradient")
+            self.skip_step()
+            return False
+        return True
+
+    @torch.no_grad()
+    def make_consistent(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before the optimizer steps on an all-reduced gradient: the same optimizer state and parameters on
+        every rank. After compressed steps each rank's optimizer state is its own and the residuals hold
+        what was not sent yet; one all-reduce per bucket applies the mean residual to the parameters and
+        averages the state tensors shaped like a parameter (momenta, Adam's moments). Nothing is sent
+        when the states are known equal already, or empty on every rank (a fresh start: one 8-byte all-reduce
+        says so)."""
+        if self._consistent:
+            return
+        if self._consistent is None:
+            fresh = not any(optimizer.state.get(p) for b in self.buckets for p in b.params)
+            if self._max_over_ranks([0.0 if fresh else 1.0])[0] == 0.0:
+                self._consistent = True
+                return
+        world = self.world_size
+        for b in self.buckets:
+            states = [t for p in b.params for t in optimizer.state.get(p, {}).values()
+                      if torch.is_tensor(t) and t.is_floating_point() and t.shape == p.shape]
+            flat = torch.cat([b.residual] + [t.detach().reshape(-1).float() for t in states])
+            dist.all_reduce(flat.div_(world), group=self.process_group)
+            b.gather_params(b.flat).sub_(flat[:b.n])
+            b.set_params(b.flat)
+            b.residual.zero_()
+            off = b.n
+            for t in states:
+                t.copy_(flat[off:off + t.numel()].view_as(t))
+                off += t.numel()
+            self._sync_bytes += ring_allreduce_bytes(world, flat.numel())
+        self._consistent = True
+
+    def end_allreduce_step(self) -> None:
+        """Records a completed all-reduce step (one record per bucket, format "allreduce")."""
+        world = self.world_size
+        extra, self._sync_bytes = self._sync_bytes, 0
+        for b in self.buckets:
+            sent = ring_allreduce_bytes(world, b.n) + extra
+            extra = 0
+            self.stats.add(StepRecord(step=self.step, bucket=b.index, n=b.n, tau=float("nan"), count=b.n,
+                                      density=1.0, format=ALLREDUCE, bytes_sent=sent,
+                                      dense_bytes=ring_allreduce_bytes(world, b.n)))
+        self.step += 1
+        self.stats.end_step()
+        self.link_step_ended()
 
     def restore_params(self) -> None:
         for b in self.buckets:
@@ -449,7 +561,9 @@ class Sharing:
                 "compression": self.compression.config(),
                 "buckets": [{"n": b.n, "residual": b.residual.detach().cpu().clone(),
                              "velocity": None if b.velocity is None else b.velocity.detach().cpu().clone(),
-                             "compression": b.compression.state_dict()} for b in self.buckets]}
+                             "compression": b.compression.state_dict()} for b in self.buckets],
+                "link": None if self.link is None else self.link.state_dict(),
+                "states equal": self._consistent}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         saved = state["buckets"]
@@ -469,3 +583,22 @@ class Sharing:
         self.step = int(state["step"])
         self.stats.load_state_dict(state["stats"])
         self.step_skipped = False
+        if self.link is not None and state.get("link") is not None:
+            self.link.load_state_dict(state["link"])
+        # Whether the ranks' optimizer states were equal when this was saved (all-reduce steps keep them so).
+        self._consistent = state.get("states equal", False)
+
+
+def _resolve_link(link: Any, default_ok: bool, mode: str) -> Optional[LinkAware]:
+    """The LinkAware for a sharing core: "auto" means one when ``default_ok`` (module docstring of
+    gradshare.link), None none, a LinkAware a copy of it (sharing updates only)."""
+    if link is None:
+        return None
+    if isinstance(link, str) and link == "auto":
+        return LinkAware() if default_ok else None
+    if isinstance(link, LinkAware):
+        if mode != "updates":
+            raise ValueError("link: link-aware sharing chooses between all-reduced gradients and shared updates; "
+                             'it needs mode="updates" (an optimizer)')
+        return LinkAware(**link.config(), clock=link.clock)
+    raise TypeError(f"link: expected 'auto', None or a gradshare.LinkAware, got {link!r}")

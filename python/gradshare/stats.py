@@ -28,7 +28,7 @@ import torch
 
 log = logging.getLogger("gradshare")
 
-FORMATS = ("sparse", "bitmap", "dense", "skipped")
+FORMATS = ("sparse", "bitmap", "dense", "allreduce", "skipped")
 
 
 @runtime_checkable
@@ -47,8 +47,9 @@ class ReportsTraffic(Protocol):
 class StepRecord:
     """What one bucket's exchange did on one step (all ranks see the same numbers except residual_norm).
 
-    format: "sparse" / "bitmap" (largest message of the step), "dense" (allreduce fallback) or
-    "skipped" (a non-finite step dropped). density: mean over ranks of count/n. tau: this rank's tau.
+    format: "sparse" / "bitmap" (largest message of the step), "dense" (allreduce fallback),
+    "allreduce" (gradients all-reduced: the link-aware choice, gradshare.link) or "skipped" (a non-finite
+    step dropped). density: mean over ranks of count/n. tau: this rank's tau.
     """
     step: int
     bucket: int

@@ -97,6 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compression", "--threshold", dest="compression", type=_compression_arg, default="auto",
                    help="what sharing sends: auto (chosen for the optimizer) | topk[:DENSITY] | ternary[:FRACTION] | "
                         "target:DENSITY | fixed:TAU | adaptive[:INITIAL_TAU] (--threshold is its former name)")
+    p.add_argument("--link", choices=["auto", "off"], default="auto",
+                   help="shared_gradients with --compression auto: auto measures the link and steps by a float32 "
+                        "all-reduce where compressing is slower; off compresses every step (runs repeat bit for bit)")
     p.add_argument("--averaging-frequency", type=argtypes.integer(1), default=5,
                    help="steps between rounds (averaging, diloco, sparse_local)")
     p.add_argument("--outer-lr", type=argtypes.number(0, low_open=True), metavar="LR",
@@ -148,7 +151,8 @@ def options_from_args(args: argparse.Namespace) -> Dict[str, Any]:
     """The run's options as a JSON-able dict (what a cluster launcher hands to :func:`train_job`)."""
     return {"workers": args.workers, "mode": args.mode, "epochs": args.epochs,
             "batch_size": args.batch_size, "lr": args.lr, "optimizer": args.optimizer, "share": args.share,
-            "compression": args.compression, "averaging_frequency": args.averaging_frequency, "data": args.data,
+            "compression": args.compression, "link": args.link, "averaging_frequency": args.averaging_frequency,
+            "data": args.data,
             "seed": args.seed, "progress": not args.no_progress, "outer_lr": args.outer_lr,
             "outer_momentum": args.outer_momentum, "residual_decay": args.residual_decay}
 
@@ -196,6 +200,7 @@ def build_config(opts: Dict[str, Any]) -> TrainConfig:
         extra = local_steps_options(opts)
     elif mode == "shared_gradients":
         extra["compression"] = parse_compression(opts.get("compression", opts.get("threshold", "auto")))
+        extra["link"] = None if opts.get("link", "auto") == "off" else "auto"
     return TrainConfig(model=model, optimizer=optimizer, train_data=data, validation_data=data,
                        epochs=int(opts.get("epochs", 12)), batch_size=int(opts.get("batch_size", 32)),
                        shared=opts.get("share", "updates"),
@@ -361,6 +366,11 @@ def _run_and_report(args: argparse.Namespace, opts: Dict[str, Any], launch: Dict
     densities = [h["density"] for h in history if h.get("density") is not None]
     if densities:
         print(f"entries sent per exchange: {100 * sum(densities) / len(densities):.2f}% (mean over epochs)")
+    formats = [s.get("format") for s in steps if s.get("format")]
+    if opts["mode"] == "shared_gradients" and opts.get("link", "auto") == "auto" and formats:
+        n = sum(f == "allreduce" for f in formats)
+        print(f"link-aware: {n} of {len(formats)} steps by float32 all-reduce, {len(formats) - n} compressed "
+              "(chosen from measured step times; --link off compresses every step)")
     if args.checkpoint_dir:
         print(f"checkpoints: {args.checkpoint_dir}")
     if args.metrics:

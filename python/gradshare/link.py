@@ -1,0 +1,192 @@
+"""Link-aware sharing: compress only where the link makes it pay, measured on the run itself.
+
+Compression costs time to encode and decode and wins time on the wire; on a fast link DDP's float32
+all-reduce, overlapped with backward, is the faster step and trains exactly. :class:`LinkAware` chooses,
+for each step of a sharing core in "updates" mode, between
+
+- **allreduce**: the gradients are averaged by one float32 all-reduce per bucket (what DDP does, overlapped
+  with backward through the hook) and every rank's optimizer steps on the same mean gradient; and
+- **compressed**: the optimizer steps on the local gradient and its update is shared compressed with
+  error feedback (gradshare.sharing).
+
+It decides from what it measures, the time from one step's end to the next (compute, exchange and
+whatever the user's loop does), not from a model of the link: it times a few steps of each, agrees the
+medians with every rank (one all-reduce of two numbers, taking the slowest rank's), and keeps the
+faster, preferring the all-reduce unless compression is faster by more than ``margin``. It then
+measures the other choice again from time to time, as rarely as keeps the cost of looking below
+``overhead`` of the run (a link 30x slower than the compressed step is probed every ~1700 steps, one
+about as fast every 50), so that a link that changes is followed. Every rank takes the same decision at
+the same step, so replicas stay identical.
+
+Switching to the all-reduce makes the ranks' optimizer states and parameters consistent first: what the
+residuals still hold is applied (mean over ranks) and the optimizer states are averaged, in one
+all-reduce. Switching back needs nothing: states and parameters are then equal on every rank.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional
+
+ALLREDUCE, COMPRESSED = "allreduce", "compressed"
+
+
+class LinkAware:
+    """Chooses per step between a float32 all-reduce of gradients and compressed updates (module docstring).
+
+    The run starts with ``calibration_steps`` steps by all-reduce (the first untimed), then measures
+    compression for up to ``probe_steps`` steps (after one untimed step: a switch's own cost is not the
+    link's) and decides. A measurement stops early once the measured choice is ``clear_loss`` times slower
+    than the other: on a slow link the all-reduce is looked at for two steps, not five.
+
+    Args:
+        margin: compression is chosen only when its step is faster by more than this fraction.
+        probe_steps: steps timed per measurement of a choice, at most.
+        calibration_steps: all-reduce steps at the start (>= 2).
+        clear_loss: a measurement ends as soon as its choice is this many times slower.
+        overhead: the largest fraction of the run spent re-measuring the slower choice.
+        min_interval, max_interval: bounds on the steps between two measurements of the slower choice.
+        clock: seconds, monotonic (time.perf_counter).
+
+    ``steady_from`` (set by the sharing core from the compression's warm-up, e.g. TopK's 50 steps at a
+    higher density): compressed steps measured before it cost more than they will; when the all-reduce
+    wins on such a measurement, compression is measured again as soon as the warm-up is over.
+    """
+
+    def __init__(self, margin: float = 0.05, probe_steps: int = 4, overhead: float = 0.05,
+                 min_interval: int = 50, max_interval: int = 5000, calibration_steps: int = 3,
+                 clear_loss: float = 2.0, clock: Callable[[], float] = time.perf_counter):
+        if not (0 <= float(margin) < 1):
+            raise ValueError(f"margin: expected a value in [0, 1), got {margin}")
+        for name, v, low in (("probe_steps", probe_steps, 1), ("calibration_steps", calibration_steps, 2)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{name}: expected an int >= {low}, got {v!r}")
+        if not (0 < float(overhead) < 1):
+            raise ValueError(f"overhead: expected a value in (0, 1), got {overhead}")
+        if not float(clear_loss) > 1 + float(margin):
+            raise ValueError(f"clear_loss: expected a value above 1 + margin, got {clear_loss}")
+        if not (1 <= int(min_interval) <= int(max_interval)):
+            raise ValueError(f"min_interval, max_interval: expected 1 <= min <= max, got {min_interval}, {max_interval}")
+        self.margin, self.probe_steps, self.overhead = float(margin), probe_steps, float(overhead)
+        self.calibration_steps, self.clear_loss = calibration_steps, float(clear_loss)
+        self.min_interval, self.max_interval = int(min_interval), int(max_interval)
+        self.clock = clock
+        self.steps = 0                      # steps ended (every rank counts the same ones)
+        self.choice: Optional[str] = None   # what was decided (None: not yet)
+        self.plan: Deque[str] = deque()
+        self.probing: Optional[str] = None  # the choice being measured (its plan may end early)
+        self._calibrate()
+        self.next_probe: Optional[int] = None
+        self.steady_from = 0
+        self.seconds: Dict[str, Optional[float]] = {ALLREDUCE: None, COMPRESSED: None}   # agreed medians
+        self.decisions = 0
+        self._samples: Dict[str, Deque[float]] = {ALLREDUCE: deque(maxlen=16), COMPRESSED: deque(maxlen=16)}
+        self._switch_seconds = 0.0          # this rank's untimed first step of the last measurement
+        self._last_end: Optional[float] = None
+        self._last_mode: Optional[str] = None
+
+    def _calibrate(self) -> None:
+        self.plan = deque([ALLREDUCE] * self.calibration_steps + [COMPRESSED] * (self.probe_steps + 1))
+        self.probing = COMPRESSED
+
+    # ------------------------------------------------------------------------------------ the step
+    @property
+    def mode(self) -> str:
+        """What this step does: ALLREDUCE or COMPRESSED."""
+        return self.plan[0] if self.plan else self.choice  # type: ignore[return-value]
+
+    def step_ended(self, agree: Callable[[List[float]], List[float]]) -> None:
+        """Called on every rank at the end of every step (skipped ones too), with no collective in flight.
+        ``agree(values)`` returns the element-wise maximum over the ranks (one all-reduce)."""
+        now = self.clock()
+        mode = self.mode
+        timed = self._last_end is not None and mode == self._last_mode   # the first step after a switch is not
+        if timed:
+            self._samples[mode].append(now - self._last_end)
+        elif self._last_end is not None and mode == self.probing:
+            self._switch_seconds = now - self._last_end
+        self._last_end, self._last_mode = now, mode
+        self.steps += 1
+        if self.plan:
+            self.plan.popleft()
+            if not self.plan:
+                self._decide(self._agree(agree))
+            elif timed and mode == self.probing:
+                agreed = self._agree(agree)
+                other = ALLREDUCE if mode == COMPRESSED else COMPRESSED
+                if agreed[mode] > self.clear_loss * agreed[other]:
+                    self.plan.clear()               # a clear loser: no need to measure it further
+                    self._decide(agreed)
+        elif self.next_probe is not None and self.steps >= self.next_probe:
+            other = COMPRESSED if self.choice == ALLREDUCE else ALLREDUCE
+            self._samples[other].clear()            # its earlier times are stale: the link may have changed
+            self.plan.extend([other] * (self.probe_steps + 1))
+            self.probing = other
+
+    def _agree(self, agree: Callable[[List[float]], List[float]]) -> Dict[str, float]:
+        t_all, t_comp, switch = agree([self._median(ALLREDUCE), self._median(COMPRESSED), self._switch_seconds])
+        return {ALLREDUCE: t_all, COMPRESSED: t_comp, "switch": switch}
+
+    def _decide(self, agreed: Dict[str, float]) -> None:
+        t_all, t_comp = agreed[ALLREDUCE], agreed[COMPRESSED]
+        self.seconds = {ALLREDUCE: t_all, COMPRESSED: t_comp}
+        choice = COMPRESSED if t_comp * (1 + self.margin) < t_all else ALLREDUCE
+        self.decisions += 1
+        self.choice, self.probing = choice, None
+        win, lose = (t_comp, t_all) if choice == COMPRESSED else (t_all, t_comp)
+        # Measuring the loser again costs its first step (a switch: optimizer states are averaged before the
+        # first all-reduce step) and up to probe_steps more; keep that below `overhead` of the time.
+        if math.isfinite(lose):
+            cost = max(0.0, agreed["switch"] - win) + self.probe_steps * max(0.0, lose - win)
+            interval = math.ceil(cost / (self.overhead * win)) if win > 0 else self.max_interval
+        else:
+            interval = self.max_interval
+        self.next_probe = self.steps + min(self.max_interval, max(self.min_interval, interval))
+        if choice == ALLREDUCE and self.steps < self.steady_from:
+            self.next_probe = min(self.next_probe, self.steady_from)
+
+    def _median(self, mode: str) -> float:
+        recent = list(self._samples[mode])[-self.probe_steps * 4:]
+        return statistics.median(recent) if recent else math.inf
+
+    # ------------------------------------------------------------------------------------ reporting
+    def summary(self) -> Dict[str, Any]:
+        """The current choice and the agreed step times it was made from (seconds)."""
+        return {"choice": self.choice, "mode": self.mode, "allreduce_step_s": self.seconds[ALLREDUCE],
+                "compressed_step_s": self.seconds[COMPRESSED], "decisions": self.decisions,
+                "next_probe": self.next_probe}
+
+    def config(self) -> Dict[str, Any]:
+        """What every rank must share (part of the configuration agreement)."""
+        return {"margin": self.margin, "probe_steps": self.probe_steps, "overhead": self.overhead,
+                "min_interval": self.min_interval, "max_interval": self.max_interval,
+                "calibration_steps": self.calibration_steps, "clear_loss": self.clear_loss}
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"steps": self.steps, "choice": self.choice, "plan": list(self.plan), "next_probe": self.next_probe,
+                "seconds": dict(self.seconds), "decisions": self.decisions}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        plan = list(state["plan"])
+        if any(m not in (ALLREDUCE, COMPRESSED) for m in plan) or state["choice"] not in (None, ALLREDUCE, COMPRESSED):
+            raise ValueError(f"load_state_dict: not a link-aware state: {state!r}")
+        if not plan and state["choice"] is None:
+            raise ValueError("load_state_dict: a link-aware state with neither a plan nor a choice")
+        self.steps, self.choice = int(state["steps"]), state["choice"]
+        # Timings from another process say nothing about this one: a measurement under way starts over, and
+        # the next one waits until this process has timed its current choice.
+        self.plan, self.probing = deque(), None
+        if plan:
+            self._calibrate()
+        self.next_probe = None if state["next_probe"] is None else max(int(state["next_probe"]),
+                                                                         self.steps + self.min_interval)
+        self.seconds = {ALLREDUCE: state["seconds"].get(ALLREDUCE), COMPRESSED: state["seconds"].get(COMPRESSED)}
+        self.decisions = int(state["decisions"])
+        for samples in self._samples.values():
+            samples.clear()
+        self._last_end = self._last_mode = None
+
+    def __repr__(self) -> str:
+        return "LinkAware(" + ", ".join(f"{k}={v!r}" for k, v in self.config().items()) + ")"

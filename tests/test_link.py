@@ -1,0 +1,312 @@
+"""Link-aware sharing (gradshare.link): the choice between DDP's all-reduce and compressed updates.
+
+The controller is checked alone with a fake clock (schedule, margin, probe interval, checkpoint), then over
+two ranks: the ranks agree on one choice whatever each measured, all-reduce steps are DDP's steps bit for
+bit, switching keeps replicas and optimizer states identical, and non-finite gradients are handled as in
+the compressed steps.
+"""
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradshare
+from gradshare import LinkAware, SharedOptimizer, ThresholdState, TopK, threshold_hook, verify_replicas
+from gradshare.link import ALLREDUCE, COMPRESSED
+from gradshare.workers import run_local
+from tiny_model import batch as _batch, flat as _flat, net as _net, restore, snapshot
+
+
+class FakeClock:
+    """Advances by the cost of the step that just ended (seconds per mode)."""
+
+    def __init__(self, costs):
+        self.costs, self.t, self.link = dict(costs), 0.0, None
+
+    def __call__(self):
+        self.t += self.costs[self.link.mode]
+        return self.t
+
+
+def _alone(costs, steps, **kw):
+    clock = FakeClock(costs)
+    link = LinkAware(clock=clock, **kw)
+    clock.link = link
+    modes = []
+    for _ in range(steps):
+        modes.append(link.mode)
+        link.step_ended(lambda values: values)
+    return link, modes
+
+
+def test_calibrates_then_keeps_the_faster():
+    link, modes = _alone({ALLREDUCE: 10.0, COMPRESSED: 4.0}, 10)
+    assert modes[:8] == [ALLREDUCE] * 3 + [COMPRESSED] * 5
+    assert link.choice == COMPRESSED and modes[8:] == [COMPRESSED] * 2
+    assert link.seconds == {ALLREDUCE: 10.0, COMPRESSED: 4.0}
+    link, modes = _alone({ALLREDUCE: 10.0, COMPRESSED: 12.0}, 10)
+    assert modes[:8] == [ALLREDUCE] * 3 + [COMPRESSED] * 5
+    assert link.choice == ALLREDUCE and modes[8:] == [ALLREDUCE] * 2
+
+
+def test_a_clear_loser_is_measured_for_one_step_only():
+    link, modes = _alone({ALLREDUCE: 10.0, COMPRESSED: 30.0}, 8)
+    assert modes == [ALLREDUCE] * 3 + [COMPRESSED] * 2 + [ALLREDUCE] * 3
+    assert link.choice == ALLREDUCE
+    # On a slow link the all-reduce, measured again, is dropped after its first timed step.
+    link, modes = _alone({ALLREDUCE: 300.0, COMPRESSED: 10.0}, 8)
+    assert link.choice == COMPRESSED
+    link.next_probe = link.steps
+    for _ in range(5):
+        modes.append(link.mode)
+        link.step_ended(lambda values: values)
+    assert modes[8:] == [COMPRESSED, ALLREDUCE, ALLREDUCE, COMPRESSED, COMPRESSED]
+
+
+def test_compression_must_win_by_the_margin():
+    assert _alone({ALLREDUCE: 10.0, COMPRESSED: 9.7}, 8, margin=0.05)[0].choice == ALLREDUCE
+    assert _alone({ALLREDUCE: 10.0, COMPRESSED: 9.0}, 8, margin=0.05)[0].choice == COMPRESSED
+
+
+def test_the_loser_is_measured_again_within_the_overhead_budget():
+    # Losing by 2x: measuring again costs its first step (10 s more) and 4 more (4 * 10 s); at 5% of the
+    # winner's 10 s steps that is every 100 steps.
+    link, modes = _alone({ALLREDUCE: 10.0, COMPRESSED: 20.0}, 8)
+    assert link.next_probe == 8 + 100
+    link, _ = _alone({ALLREDUCE: 300.0, COMPRESSED: 10.0}, 8)
+    assert link.next_probe == 8 + 2320                  # losing by 30x: measured rarely
+    link, _ = _alone({ALLREDUCE: 10.0, COMPRESSED: 10.2}, 8)
+    assert link.next_probe == 8 + 50                    # a close call is looked at again soon (min_interval)
+    link, modes = _alone({ALLREDUCE: 10.0, COMPRESSED: 20.0}, 120)
+    assert modes[108:113] == [COMPRESSED] * 5 and modes[113:] == [ALLREDUCE] * 7
+    assert link.decisions == 2
+
+
+def test_compression_measured_during_its_warm_up_is_measured_again_after_it():
+    link = LinkAware(clock=FakeClock({ALLREDUCE: 10.0, COMPRESSED: 12.0}))
+    link.clock.link = link
+    link.steady_from = 30
+    for _ in range(8):
+        link.step_ended(lambda v: v)
+    assert link.choice == ALLREDUCE and link.next_probe == 30     # not 8 + 50
+
+
+def test_a_changed_link_changes_the_choice():
+    clock = FakeClock({ALLREDUCE: 10.0, COMPRESSED: 20.0})
+    link = LinkAware(clock=clock)
+    clock.link = link
+    for _ in range(8):
+        link.step_ended(lambda v: v)
+    assert link.choice == ALLREDUCE
+    clock.costs[ALLREDUCE] = 100.0                      # the link slowed down
+    while link.decisions < 2:
+        link.step_ended(lambda v: v)
+    assert link.choice == COMPRESSED
+
+
+def test_state_dict_round_trip_and_bad_arguments():
+    link, _ = _alone({ALLREDUCE: 10.0, COMPRESSED: 4.0}, 12)
+    other = LinkAware()
+    other.load_state_dict(link.state_dict())
+    assert other.choice == COMPRESSED and other.mode == COMPRESSED and other.steps == 12
+    assert other.next_probe >= 12 + other.min_interval
+    fresh = LinkAware()
+    fresh.load_state_dict(LinkAware().state_dict())     # a checkpoint taken while calibrating calibrates again
+    assert fresh.mode == ALLREDUCE and len(fresh.plan) == 8
+    with pytest.raises(ValueError, match="not a link-aware state"):
+        other.load_state_dict(dict(link.state_dict(), choice="fast"))
+    for kw in (dict(margin=1.0), dict(margin=-0.1), dict(probe_steps=0), dict(overhead=0), dict(calibration_steps=1),
+               dict(clear_loss=1.0), dict(min_interval=10, max_interval=5)):
+        with pytest.raises(ValueError):
+            LinkAware(**kw)
+
+
+def test_defaults_turn_it_on_only_where_it_applies():
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters())
+    assert isinstance(ThresholdState(optimizer=opt).sharing.link, LinkAware)
+    assert isinstance(SharedOptimizer(opt).sharing.link, LinkAware)
+    assert SharedOptimizer(opt).sharing.link.steady_from == 0                       # Ternary: no warm-up
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    assert SharedOptimizer(sgd).sharing.link.steady_from == 50                      # TopK's warm-up
+    assert ThresholdState(optimizer=opt, compression=TopK()).sharing.link is None   # a chosen compression: kept
+    assert ThresholdState(optimizer=opt, link=None).sharing.link is None
+    assert ThresholdState().sharing.link is None                                     # gradients mode
+    assert SharedOptimizer(opt, mode="gradients").sharing.link is None
+    assert isinstance(SharedOptimizer(opt, compression=TopK(), link=LinkAware()).sharing.link, LinkAware)
+    with pytest.raises(ValueError, match="updates"):
+        SharedOptimizer(opt, mode="gradients", link=LinkAware())
+    with pytest.raises(TypeError, match="link"):
+        SharedOptimizer(opt, link="fast")
+
+
+# ------------------------------------------------------------------------------------------- two ranks
+def _setup(front, optimizer, costs, compression=None, nonfinite="raise"):
+    model = _net()
+    inner = (torch.optim.AdamW(model.parameters(), lr=1e-2) if optimizer == "adamw"
+             else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    clock = FakeClock(costs)
+    kw = dict(compression=compression, link=LinkAware(clock=clock), nonfinite=nonfinite)
+    if front == "hook":
+        net = DDP(model)
+        state = ThresholdState(optimizer=inner, **kw)
+        net.register_comm_hook(state, threshold_hook)
+        opt, sharing = inner, state.sharing
+    else:
+        net = model
+        state = opt = SharedOptimizer(inner, **kw)
+        sharing = opt.sharing
+    clock.link = sharing.link
+    return model, net, inner, opt, state, sharing
+
+
+def _train(net, opt, steps, start=0, modes=None, sharing=None):
+    r = dist.get_rank()
+    for step in range(start, start + steps):
+        if modes is not None:
+            modes.append(sharing.link.mode)
+        x, y = _batch(r, step)
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+
+
+def _states(inner):
+    return [t.clone() for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+
+
+def _agree_and_switch(front, optimizer):
+    warnings.simplefilter("ignore")
+    r = dist.get_rank()
+    # Rank 0 finds compression fast, rank 1 slow: the slowest rank's times decide, the same on both.
+    costs = {ALLREDUCE: 10.0, COMPRESSED: 4.0 if r == 0 else 30.0}
+    model, net, inner, opt, state, sh = _setup(front, optimizer, costs)
+    modes = []
+    _train(net, opt, 14, modes=modes, sharing=sh)
+    verify_replicas(model)
+    out = {"modes": modes, "choice": sh.link.choice, "formats": dict(sh.stats.format_counts)}
+    # Now make compression the faster everywhere and force a probe: the choice flips to compressed.
+    sh.link.clock.costs = {ALLREDUCE: 10.0, COMPRESSED: 4.0}
+    sh.link.next_probe = sh.link.steps
+    _train(net, opt, 8, start=14, modes=modes, sharing=sh)
+    out["choice_after"] = sh.link.choice
+    # ... and slow again: back to the all-reduce, whose first step makes optimizer states equal.
+    sh.link.clock.costs = {ALLREDUCE: 10.0, COMPRESSED: 40.0}
+    _train(net, opt, 8, start=22, modes=modes, sharing=sh)       # recent compressed steps are slow now
+    sh.link.next_probe = sh.link.steps
+    _train(net, opt, 7, start=30, modes=modes, sharing=sh)
+    verify_replicas(model)
+    out.update(choice_last=sh.link.choice, params=_flat(model), states=[t.numpy() for t in _states(inner)],
+               residual_max=max(float(b.residual.abs().max()) for b in sh.buckets))
+    return out
+
+
+@pytest.mark.parametrize("front", ["hook", "optimizer"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_ranks_agree_and_switching_keeps_replicas_and_states_equal(front, optimizer):
+    a, b = run_local(_agree_and_switch, 2, args=(front, optimizer), timeout=180)
+    assert a["modes"] == b["modes"]
+    assert a["choice"] == b["choice"] == ALLREDUCE                 # rank 0 alone would have compressed
+    # Agreed at the first timed compressed step: 30 s against 10 s, a clear loser.
+    assert a["modes"][:14] == [ALLREDUCE] * 3 + [COMPRESSED] * 2 + [ALLREDUCE] * 9
+    assert a["formats"]["allreduce"] == 12
+    assert a["choice_after"] == COMPRESSED and a["choice_last"] == ALLREDUCE
+    assert COMPRESSED in a["modes"][14:22] and a["modes"][-1] == ALLREDUCE
+    assert np.array_equal(a["params"], b["params"])
+    # After an all-reduce step the optimizer states are equal on every rank and nothing is held back.
+    assert len(a["states"]) > 0
+    for x, y in zip(a["states"], b["states"]):
+        assert np.array_equal(x, y)
+    assert a["residual_max"] == 0.0
+
+
+def _allreduce_is_ddp(front):
+    warnings.simplefilter("ignore")
+    costs = {ALLREDUCE: 1.0, COMPRESSED: 100.0}
+    model, net, inner, opt, state, sh = _setup(front, "adamw", costs)
+    ref = _net()
+    ref_net = DDP(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _train(net, opt, 3)                     # the calibration's all-reduce steps
+    _train(ref_net, ref_opt, 3)
+    return _flat(model), _flat(ref)
+
+
+@pytest.mark.parametrize("front", ["hook", "optimizer"])
+def test_allreduce_steps_are_ddp_steps_bit_for_bit(front):
+    for mine, ddp in run_local(_allreduce_is_ddp, 2, args=(front,), timeout=120):
+        assert np.array_equal(mine, ddp)
+
+
+def _nonfinite_in_allreduce_step(front, nonfinite):
+    warnings.simplefilter("ignore")
+    r = dist.get_rank()
+    model, net, inner, opt, state, sh = _setup(front, "adamw", {ALLREDUCE: 1.0, COMPRESSED: 100.0},
+                                               nonfinite=nonfinite)
+    _train(net, opt, 2)
+    before, states = _flat(model), [t.numpy() for t in _states(inner)]
+    x, y = _batch(r, 2)
+    if r == 1:
+        x[0, 0] = float("nan")
+    opt.zero_grad()
+    F.cross_entropy(net(x), y).backward()
+    error = None
+    try:
+        opt.step()
+    except gradshare.NonFiniteStepError as e:
+        error = str(e)
+    same_states = all(np.array_equal(a, t.numpy()) for a, t in zip(states, _states(inner)))
+    return error, np.array_equal(before, _flat(model)), same_states, state.step_skipped
+
+
+@pytest.mark.parametrize("front", ["hook", "optimizer"])
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_a_nonfinite_gradient_in_an_allreduce_step_stops_or_skips_everywhere(front, nonfinite):
+    for error, params_same, states_same, skipped in run_local(_nonfinite_in_allreduce_step, 2,
+                                                                 args=(front, nonfinite), timeout=120):
+        assert params_same and states_same
+        if nonfinite == "raise":
+            assert error is not None and "mean gradient" in error
+        else:
+            assert error is None and skipped
+
+
+def _resume(front):
+    warnings.simplefilter("ignore")
+    costs = {ALLREDUCE: 10.0, COMPRESSED: 4.0}
+    model, net, inner, opt, state, sh = _setup(front, "sgd", costs)
+    _train(net, opt, 12)
+    blob = snapshot(model, inner, state) if front == "hook" else snapshot(model, opt)
+    _train(net, opt, 6, start=12)
+    first = _flat(model)
+    model2, net2, inner2, opt2, state2, sh2 = _setup(front, "sgd", costs)
+    restore(blob, *((model2, inner2, state2) if front == "hook" else (model2, opt2)))
+    assert sh2.link.choice == COMPRESSED and sh2.link.mode == COMPRESSED
+    _train(net2, opt2, 6, start=12)
+    return np.array_equal(first, _flat(model2))
+
+
+@pytest.mark.parametrize("front", ["hook", "optimizer"])
+def test_a_checkpoint_keeps_the_choice_and_resumes_exactly(front):
+    assert all(run_local(_resume, 2, args=(front,), timeout=120))
+
+
+def _mismatch():
+    warnings.simplefilter("ignore")
+    model = _net()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = SharedOptimizer(inner, link="auto" if dist.get_rank() == 0 else None)
+    try:
+        _train(model, opt, 1)
+    except gradshare.ConfigurationMismatchError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_with_and_without_link_awareness_stop_at_the_first_step():
+    for msg in run_local(_mismatch, 2, timeout=120):
+        assert msg is not None and "link" in msg
