@@ -275,6 +275,43 @@ def test_a_nonfinite_gradient_in_an_allreduce_step_stops_or_skips_everywhere(fro
             assert error is None and skipped
 
 
+def _scaled_allreduce(front):
+    """All-reduce steps under a GradScaler: unscaled results, and an inf on rank 1 skips the step everywhere."""
+    warnings.simplefilter("ignore")
+    r = dist.get_rank()
+    out = []
+    for scaled, bad_at in ((False, None), (True, None), (True, 3)):
+        model, net, inner, opt, state, sh = _setup(front, "sgd", {ALLREDUCE: 1.0, COMPRESSED: 100.0})
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, enabled=scaled)
+        scales = []
+        for step in range(6):
+            x, y = _batch(r, step)
+            if step == bad_at and r == 1:
+                x[0, 0] = float("inf")
+            opt.zero_grad()
+            scaler.scale(F.cross_entropy(net(x), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        assert sh.link.mode == ALLREDUCE
+        out.append((_flat(model), scales))
+    return out
+
+
+@pytest.mark.parametrize("front", ["hook", "optimizer"])
+def test_grad_scaler_in_allreduce_steps(front):
+    res = run_local(_scaled_allreduce, 2, args=(front,), timeout=120)
+    for (plain, _), (scaled, _), (after_inf, scales) in res:
+        assert np.array_equal(plain, scaled)               # power-of-two scales: exact, as with DDP
+        assert np.array_equal(after_inf, res[0][2][0])     # every rank skipped the same step
+        assert not np.array_equal(after_inf, scaled)
+    # The hook all-reduces scaled gradients, so the inf reaches every rank's scaler (as with DDP);
+    # SharedOptimizer sees the local gradients: rank 1's scaler backs off, rank 0's does not.
+    hook_like = front == "hook"
+    assert res[1][2][1][3] == res[1][2][1][2] / 2
+    assert (res[0][2][1][3] == res[0][2][1][2] / 2) == hook_like
+
+
 def _resume(front):
     warnings.simplefilter("ignore")
     costs = {ALLREDUCE: 10.0, COMPRESSED: 4.0}

@@ -236,14 +236,15 @@ def test_updates_without_compression_are_synchronous_sgd_with_momentum_and_sched
 
 
 def _default_front(front):
-    """(model, module to call, what to step) with gradshare's defaults for an SGD with momentum."""
+    """(model, module to call, what to step) with gradshare's defaults for an SGD with momentum, compressing
+    every step (link=None: a link-aware choice follows measured times; tests/test_link.py covers it)."""
     model = _net()
     inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if front == "hook":
         net = DDP(model)
-        net.register_comm_hook(ThresholdState(optimizer=inner), threshold_hook)
+        net.register_comm_hook(ThresholdState(optimizer=inner, link=None), threshold_hook)
         return model, net, inner
-    return model, model, SharedOptimizer(inner)
+    return model, model, SharedOptimizer(inner, link=None)
 
 
 def _with_grad_scaler(front, bad_at=None):
