@@ -18,7 +18,7 @@ import gradshare
 from gradshare import LinkAware, SharedOptimizer, ThresholdState, TopK, threshold_hook, verify_replicas
 from gradshare.link import ALLREDUCE, COMPRESSED
 from gradshare.workers import run_local
-from tiny_model import batch as _batch, flat as _flat, net as _net, restore, snapshot
+from tiny_model import batch as _batch, flat as _flat, net as _net, restore, scaled_steps, snapshot
 
 
 class FakeClock:
@@ -278,23 +278,11 @@ def test_a_nonfinite_gradient_in_an_allreduce_step_stops_or_skips_everywhere(fro
 def _scaled_allreduce(front):
     """All-reduce steps under a GradScaler: unscaled results, and an inf on rank 1 skips the step everywhere."""
     warnings.simplefilter("ignore")
-    r = dist.get_rank()
     out = []
     for scaled, bad_at in ((False, None), (True, None), (True, 3)):
         model, net, inner, opt, state, sh = _setup(front, "sgd", {ALLREDUCE: 1.0, COMPRESSED: 100.0})
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, enabled=scaled)
-        scales = []
-        for step in range(6):
-            x, y = _batch(r, step)
-            if step == bad_at and r == 1:
-                x[0, 0] = float("inf")
-            opt.zero_grad()
-            scaler.scale(F.cross_entropy(net(x), y)).backward()
-            scaler.step(opt)
-            scaler.update()
-            scales.append(scaler.get_scale())
+        out.append(scaled_steps(model, net, opt, bad_at=bad_at, enabled=scaled))
         assert sh.link.mode == ALLREDUCE
-        out.append((_flat(model), scales))
     return out
 
 

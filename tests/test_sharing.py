@@ -21,7 +21,7 @@ from gradshare import (Adaptive, Fixed, SharedOptimizer, Ternary, ThresholdState
                        threshold_hook, verify_replicas)
 from gradshare.replicas import ReplicaMismatchError
 from gradshare.workers import run_local
-from tiny_model import batch as _batch, flat as _flat, net as _net, restore, snapshot
+from tiny_model import batch as _batch, flat as _flat, net as _net, restore, scaled_steps, snapshot
 
 SETUPS = [("hook", "updates"), ("hook", "gradients"), ("optimizer", "updates"), ("optimizer", "gradients")]
 IDS = [f"{f}-{m}" for f, m in SETUPS]
@@ -250,20 +250,7 @@ def _default_front(front):
 def _with_grad_scaler(front, bad_at=None):
     """Updates mode under a GradScaler: returns the parameters and the scale after each step."""
     warnings.simplefilter("ignore")
-    r = dist.get_rank()
-    model, net, opt = _default_front(front)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
-    scales = []
-    for step in range(6):
-        x, y = _batch(r, step)
-        if step == bad_at and r == 1:
-            x[0, 0] = float("inf")
-        opt.zero_grad()
-        scaler.scale(F.cross_entropy(net(x), y)).backward()
-        scaler.step(opt)
-        scaler.update()
-        scales.append(scaler.get_scale())
-    return _flat(model), scales
+    return scaled_steps(*_default_front(front), bad_at=bad_at)
 
 
 def _scaled_and_plain():

@@ -32,3 +32,24 @@ def restore(blob: bytes, *objects) -> None:
     """Loads a ``snapshot`` blob back into the same objects, in the same order."""
     for o, state in zip(objects, torch.load(io.BytesIO(blob), weights_only=False)):
         o.load_state_dict(state)
+
+
+def scaled_steps(model, net, opt, steps=6, bad_at=None, enabled=True):
+    """``steps`` training steps under a torch.amp.GradScaler (an Inf in rank 1's input at step ``bad_at``):
+    the flat parameters after them and the scale after each step."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    r = dist.get_rank()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, enabled=enabled)
+    scales = []
+    for step in range(steps):
+        x, y = batch(r, step)
+        if step == bad_at and r == 1:
+            x[0, 0] = float("inf")
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(net(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return flat(model), scales
