@@ -87,7 +87,7 @@ class ParameterAveraging(WrappedOptimizer):
             raise ValueError("average_optimizer_state=True: with outer_optimizer or compression only the "
                              "pseudo-gradient is shared; the inner optimizer's state stays on its rank")
         self.model = model
-        self.optimizer = optimizer
+        self._wrap(optimizer)
         self.frequency = int(frequency)
         self.average_optimizer_state = (not pseudo) if average_optimizer_state is None else bool(average_optimizer_state)
         self.warmup_steps = int(warmup_steps)
@@ -232,23 +232,32 @@ class ParameterAveraging(WrappedOptimizer):
         dist.broadcast(flat, src=src, group=self.process_group)
         self._unflatten(flat, ts)
 
+    def _share_new_group(self, params) -> None:
+        """``add_param_group``: the model's parameters are averaged (or their change shared) already; a
+        parameter from outside the model would drift apart between ranks, and is refused."""
+        mine = {id(p) for p in self.model.parameters()}
+        outside = [i for i, p in enumerate(params) if id(p) not in mine]
+        if outside:
+            self.optimizer.param_groups.pop()
+            raise ValueError(f"add_param_group: parameters {outside} of the new group are not parameters of the "
+                             "model that ParameterAveraging averages")
+
     # ------------------------------------------------------------------------------------- state
-    def state_dict(self) -> Dict[str, Any]:
-        """The inner optimizer's state plus the step and round counters and byte totals; with a
-        pseudo-gradient also the sharing state (residuals), the parameters of the last round and the outer
-        optimizer's state, so that a resume mid-round is exact."""
-        state = {"optimizer": self.optimizer.state_dict(), "step": self.step_count, "rounds": self.rounds,
-                 "bytes_sent": self.bytes_sent, "dense_bytes": self.dense_bytes, "frequency": self.frequency,
-                 "warmup_steps": self.warmup_steps}
+    def _gradshare_state(self) -> Dict[str, Any]:
+        """The step and round counters and byte totals; with a pseudo-gradient also the sharing state
+        (residuals), the parameters of the last round and the outer optimizer's state, so that a resume
+        mid-round is exact."""
+        state = {"step": self.step_count, "rounds": self.rounds, "bytes_sent": self.bytes_sent,
+                 "dense_bytes": self.dense_bytes, "frequency": self.frequency, "warmup_steps": self.warmup_steps}
         if self.sharing is not None:
-            state["gradshare"] = self.sharing.state_dict()
+            state["sharing"] = self.sharing.state_dict()
             state["round_start"] = ([b.snapshot.detach().cpu().clone() for b in self.sharing.buckets]
                                     if self._round_open else None)
             state["outer"] = None if self.outer is None else self.outer.state_dict()
         return state
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        pseudo = "gradshare" in state
+    def _load_gradshare_state(self, state: Dict[str, Any]) -> None:
+        pseudo = "sharing" in state
         if pseudo != (self.sharing is not None):
             raise ValueError("load_state_dict: the checkpoint was written " +
                              ("with a pseudo-gradient (outer_optimizer / compression)" if pseudo else
@@ -261,7 +270,7 @@ class ParameterAveraging(WrappedOptimizer):
             if starts is not None and (len(starts) != len(self.sharing.buckets) or any(
                     s.numel() != b.n for s, b in zip(starts, self.sharing.buckets))):
                 raise ValueError("load_state_dict: the checkpoint's round-start parameters do not match the buckets")
-            self.sharing.load_state_dict(state["gradshare"])
+            self.sharing.load_state_dict(state["sharing"])
             self._round_open = starts is not None
             if starts is not None:
                 self.sharing.begin_updates()              # allocates the buffers, then the saved values
@@ -269,7 +278,6 @@ class ParameterAveraging(WrappedOptimizer):
                     b.snapshot.copy_(s)
             if self.outer is not None:
                 self.outer.load_state_dict(state["outer"])
-        self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = int(state["step"])
         self.rounds = int(state.get("rounds", 0))
         self.bytes_sent = int(state.get("bytes_sent", 0))

@@ -37,7 +37,8 @@ bucket keeps a velocity u = m*u + g and encodes it, for an inner optimizer WITHO
 does the same with the optimizer's own momentum and needs none of this.
 
 With one rank nothing is encoded: ``step()`` is the inner optimizer's step.
-Buckets are fixed when the wrapper is built: parameter groups added later are not shared.
+A parameter group added later (``add_param_group``) gets buckets of its own after the others.
+Parameters whose ``grad`` is None on every rank are left untouched, as torch's optimizers leave them.
 """
 from __future__ import annotations
 
@@ -76,7 +77,9 @@ class SharedOptimizer(SharingFront, WrappedOptimizer):
             (gradshare.link); None: always compress.
         threshold: the former name of ``compression`` (deprecated).
 
-    The wrapper forwards ``param_groups``, ``state``, ``zero_grad``; give LR schedulers ``opt.optimizer``.
+    It is a torch.optim.Optimizer over the inner optimizer's ``param_groups`` and ``state`` (the same objects):
+    LR schedulers, ``add_param_group``, Lightning and torch.distributed.checkpoint take it like the inner one;
+    its ``state_dict()`` is the inner one's plus a ``"gradshare"`` entry (gradshare.wrapped_optimizer).
     Under ``torch.amp.GradScaler`` (``scaler.step(opt)``) the gradients are unscaled before anything is
     shared, and a step whose scaled gradients overflowed on any rank is skipped on every rank.
     """
@@ -101,8 +104,9 @@ class SharedOptimizer(SharingFront, WrappedOptimizer):
                 raise ValueError(f"momentum={momentum}: the inner optimizer has momentum={inner[0]}; with "
                                  "momentum correction the velocity lives in SharedOptimizer, give the inner "
                                  "optimizer momentum=0 (e.g. torch.optim.SGD(params, lr))")
-        self.optimizer = optimizer
+        self._wrap(optimizer)
         self.mode = mode
+        self.bucket_cap_mb = float(bucket_cap_mb)
         clip = ResidualClipping() if clipping is _DEFAULT else clipping
         self.sharing = Sharing(compression, optimizer=optimizer, process_group=process_group, reduce=reduce,
                                nonfinite=nonfinite, fallback=fallback, stats=stats, momentum=momentum,
@@ -194,18 +198,22 @@ class SharedOptimizer(SharingFront, WrappedOptimizer):
         sh.share_updates(share_grads=bad_here)
         return loss
 
-    # -- checkpoints ----------------------------------------------------------------------------------------
-    def state_dict(self) -> Dict[str, Any]:
-        """Inner optimizer state plus gradshare's: residuals, policy state, step counter, statistics totals."""
-        return {"optimizer": self.optimizer.state_dict(), "gradshare": dict(self.sharing.state_dict(), mode=self.mode)}
+    def _share_new_group(self, params) -> None:
+        """A parameter group added with ``add_param_group`` is shared too, in buckets after the others (every
+        rank must add the same groups in the same order)."""
+        self.sharing.extend(params, self.bucket_cap_mb)
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        g = state["gradshare"]
-        if g.get("mode", self.mode) != self.mode:
-            raise ValueError(f"load_state_dict: the checkpoint was written in mode {g['mode']!r}, this optimizer "
+    # -- checkpoints (gradshare.wrapped_optimizer: torch-shaped plus "gradshare") ----------------------------
+    def _gradshare_state(self) -> Dict[str, Any]:
+        """Residuals, policy state, step counter, statistics totals, and the mode."""
+        return {"mode": self.mode, "sharing": self.sharing.state_dict()}
+
+    def _load_gradshare_state(self, own: Dict[str, Any]) -> None:
+        mode = own.get("mode", own["sharing"].get("mode", self.mode))
+        if mode != self.mode:
+            raise ValueError(f"load_state_dict: the checkpoint was written in mode {mode!r}, this optimizer "
                              f"shares {self.mode!r}")
-        self.sharing.load_state_dict(g)
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.sharing.load_state_dict(own["sharing"])
 
     def __repr__(self) -> str:
         return (f"SharedOptimizer({type(self.optimizer).__name__}, mode={self.mode!r}, "

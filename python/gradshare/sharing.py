@@ -87,14 +87,24 @@ class Bucket:
         self.spare = torch.empty_like(self.residual)          # what this step's exchange keeps: the next residual
         self.velocity: Optional[torch.Tensor] = None          # momentum correction in gradshare (momentum=m)
         self.velocity_spare: Optional[torch.Tensor] = None
+        self._buffer: Optional[torch.Tensor] = None
         self._flat: Optional[torch.Tensor] = None
         self.snapshot: Optional[torch.Tensor] = None          # parameters before the local step (updates)
 
     @property
+    def buffer(self) -> torch.Tensor:
+        """A float32 work buffer: the bucket's ``n`` elements (:attr:`flat`), then one per parameter (whether
+        it has a gradient, all-reduced with the gradients so that every rank knows whether any rank has one)."""
+        if self._buffer is None:
+            self._buffer = torch.empty(self.n + len(self.params), dtype=torch.float32, device=self.device)
+            self._flat = self._buffer[:self.n]
+        return self._buffer
+
+    @property
     def flat(self) -> torch.Tensor:
-        """A float32 work buffer of the bucket's size."""
+        """A float32 work buffer of the bucket's size (the front of :attr:`buffer`)."""
         if self._flat is None:
-            self._flat = torch.empty(self.n, dtype=torch.float32, device=self.device)
+            _ = self.buffer
         return self._flat
 
     def views(self, flat: torch.Tensor) -> Iterable[Tuple[torch.Tensor, torch.Tensor]]:
@@ -109,6 +119,10 @@ class Bucket:
                 v.copy_(p.grad)
         return out
 
+    def grads_present(self) -> torch.Tensor:
+        """1.0 for each parameter that has a gradient here, 0.0 for one whose ``grad`` is None."""
+        return torch.tensor([float(p.grad is not None) for p in self.params], device=self.device)
+
     def gather_params(self, out: torch.Tensor) -> torch.Tensor:
         for p, v in self.views(out):
             v.copy_(p.detach())
@@ -119,8 +133,13 @@ class Bucket:
         for p, v in self.views(flat):
             p.copy_(v)
 
-    def set_grads(self, flat: torch.Tensor) -> None:
-        for p, v in self.views(flat):
+    def set_grads(self, flat: torch.Tensor, present: Optional[Sequence[bool]] = None) -> None:
+        """Gradients from ``flat``. A parameter whose entry in ``present`` is False had no gradient on any
+        rank: its ``grad`` stays None, so the optimizer leaves it untouched as torch does (no weight decay,
+        no state), on every rank alike."""
+        for i, (p, v) in enumerate(self.views(flat)):
+            if present is not None and not present[i]:
+                continue
             if p.grad is None:
                 p.grad = v.to(p.dtype).clone()
             else:
@@ -250,8 +269,20 @@ class Sharing:
 
     def build(self, params: Iterable[torch.Tensor], cap_mb: float = 25.0) -> List[Bucket]:
         """Buckets for ``params`` (gradshare.sharing.group_parameters); replaces the current ones."""
-        self.buckets = [self.new_bucket(i, ps) for i, ps in enumerate(group_parameters(params, cap_mb))]
-        return self.buckets
+        self.buckets = []
+        return self.extend(params, cap_mb)
+
+    def extend(self, params: Iterable[torch.Tensor], cap_mb: float = 25.0) -> List[Bucket]:
+        """New buckets after the current ones for ``params`` (a parameter group added to the optimizer); a
+        parameter some bucket holds already is refused."""
+        held = {id(p) for b in self.buckets for p in b.params}
+        params = list(params)
+        again = [i for i, p in enumerate(params) if id(p) in held]
+        if again:
+            raise ValueError(f"parameters {again} of the new group are shared already (in an earlier group)")
+        new = [self.new_bucket(len(self.buckets) + i, ps) for i, ps in enumerate(group_parameters(params, cap_mb))]
+        self.buckets.extend(new)
+        return new
 
     # ------------------------------------------------------------------------------------- agreement
     def configuration(self, b: Bucket) -> Dict[str, Any]:
@@ -378,12 +409,25 @@ class Sharing:
     # ------------------------------------------------------------------------------ whole-step helpers
     def share_gradients(self) -> bool:
         """Replaces every bucket's gradients by the decoded mean. False when the step was skipped."""
+        present = self.grads_present_anywhere()
         items = [(b, b.gather_grads(b.flat), b.flat) for b in self.buckets]
         if not self.finish(self.run(items)):
             return False
-        for b in self.buckets:
-            b.set_grads(b.flat)
+        for b, flags in zip(self.buckets, present):
+            b.set_grads(b.flat, flags)
         return True
+
+    def grads_present_anywhere(self) -> List[List[bool]]:
+        """For each bucket, whether each parameter has a gradient on any rank: one all-reduce of one float
+        per parameter (a parameter no rank has a gradient for is left alone by the optimizer, as in torch)."""
+        flags = torch.cat([b.grads_present() for b in self.buckets]) if self.buckets else torch.zeros(0)
+        if self.world_size > 1 and flags.numel():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+        out, off, every = [], 0, (flags > 0).tolist()
+        for b in self.buckets:
+            out.append(every[off:off + len(b.params)])
+            off += len(b.params)
+        return out
 
     def begin_updates(self) -> None:
         """Before the optimizer's local step: remember every bucket's parameters."""
@@ -491,12 +535,15 @@ class Sharing:
         or, with nonfinite="skip", skips the step (False)."""
         self.agree_all()
         world = self.world_size
-        works = [dist.all_reduce(b.gather_grads(b.flat).div_(world), group=self.process_group, async_op=True)
-                 for b in self.buckets]
+        works = []
+        for b in self.buckets:                  # each parameter's has-a-gradient flag rides along (buffer)
+            b.gather_grads(b.flat)
+            b.buffer[b.n:].copy_(b.grads_present())
+            works.append(dist.all_reduce(b.buffer.div_(world), group=self.process_group, async_op=True))
         for w in works:
             w.wait()
         for b in self.buckets:
-            b.set_grads(b.flat)
+            b.set_grads(b.flat, (b.buffer[b.n:] > 0).tolist())
         if self.grads_nonfinite():
             if self.nonfinite == "raise":
                 raise NonFiniteStepError(self.step, [], [], "mean gradient")
@@ -540,7 +587,7 @@ class Sharing:
         world = self.world_size
         extra, self._sync_bytes = self._sync_bytes, 0
         for b in self.buckets:
-            sent = ring_allreduce_bytes(world, b.n) + extra
+            sent = ring_allreduce_bytes(world, b.buffer.numel()) + extra
             extra = 0
             self.stats.add(StepRecord(step=self.step, bucket=b.index, n=b.n, tau=float("nan"), count=b.n,
                                       density=1.0, format=ALLREDUCE, bytes_sent=sent,

@@ -1,0 +1,212 @@
+"""SharedOptimizer and ParameterAveraging are torch optimizers: schedulers, add_param_group, torch-shaped
+state dicts, torch.distributed.checkpoint, and parameters without a gradient left alone."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gradshare import LinkAware, ParameterAveraging, SharedOptimizer, TopK
+from gradshare.workers import run_local
+from tiny_model import batch, flat, net
+
+
+def _schedulers():
+    return {
+        "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=20),
+        "CosineAnnealingLR": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=7, eta_min=1e-4),
+    }
+
+
+def _wrappers():
+    return {
+        "SharedOptimizer": lambda m, o: SharedOptimizer(o),
+        "ParameterAveraging": lambda m, o: ParameterAveraging(m, o, frequency=3),
+        "ParameterAveraging DiLoCo": lambda m, o: ParameterAveraging(
+            m, o, frequency=3, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)),
+    }
+
+
+@pytest.mark.parametrize("wrapper", sorted(_wrappers()))
+def test_wrappers_are_torch_optimizers_over_the_inner_groups(wrapper):
+    model = net()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = _wrappers()[wrapper](model, inner)
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert opt.param_groups is inner.param_groups and opt.state is inner.state and opt.defaults is inner.defaults
+    opt.param_groups[0]["lr"] = 0.05
+    assert inner.param_groups[0]["lr"] == 0.05
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        _wrappers()[wrapper](model, [p for p in model.parameters()])
+    with pytest.raises(TypeError, match="wraps an optimizer already"):
+        _wrappers()[wrapper](model, opt)
+
+
+@pytest.mark.parametrize("wrapper", sorted(_wrappers()))
+@pytest.mark.parametrize("scheduler", sorted(_schedulers()))
+def test_scheduler_on_the_wrapper_gives_the_plain_optimizers_lr_sequence(wrapper, scheduler):
+    """OneCycleLR also cycles momentum: the inner optimizer's groups see it at every step."""
+    def run(wrap):
+        model = net()
+        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opt = _wrappers()[wrapper](model, inner) if wrap else inner
+        sched = _schedulers()[scheduler](opt)
+        seq = []
+        for step in range(12):
+            x, y = batch(0, step)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            sched.step()
+            seq.append((inner.param_groups[0]["lr"], inner.param_groups[0]["momentum"], sched.get_last_lr()[0]))
+        return seq, flat(model)
+
+    (plain, p_plain), (wrapped, p_wrapped) = run(False), run(True)
+    assert wrapped == plain
+    if wrapper == "SharedOptimizer":          # one rank: the inner step exactly
+        assert (p_plain == p_wrapped).all()
+
+
+def test_state_dict_is_torch_shaped_and_loads_into_the_plain_optimizer():
+    model = net()
+    opt = SharedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for step in range(2):
+        x, y = batch(0, step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    sd = opt.state_dict()
+    assert set(sd) == {"state", "param_groups", "gradshare"}
+    plain = torch.optim.AdamW(net().parameters(), lr=1e-3)
+    plain.load_state_dict(sd)                                  # torch ignores gradshare's entry
+    assert torch.equal(plain.state_dict()["state"][0]["exp_avg"], sd["state"][0]["exp_avg"])
+    other = SharedOptimizer(torch.optim.AdamW(net().parameters(), lr=1e-3))
+    other.load_state_dict({k: v for k, v in sd.items() if k != "gradshare"})   # inner only
+    assert other.sharing.step == 0 and torch.equal(other.state_dict()["state"][0]["exp_avg"], sd["state"][0]["exp_avg"])
+    sd["gradshare"]["sharing"]["step"] = 7                    # one rank shares nothing: mark it
+    other.load_state_dict(sd)
+    assert other.sharing.step == 7
+    legacy = {"optimizer": {k: v for k, v in sd.items() if k != "gradshare"},
+              "gradshare": dict(sd["gradshare"]["sharing"], mode="updates")}     # the 0.x layout
+    third = SharedOptimizer(torch.optim.AdamW(net().parameters(), lr=1e-3))
+    third.load_state_dict(legacy)
+    assert third.sharing.step == 7
+    with pytest.raises(ValueError, match="not an optimizer state_dict"):
+        third.load_state_dict({"model": {}})
+
+
+# ------------------------------------------------------------------------------------ two ranks
+
+
+class _WithUnused(nn.Module):
+    """A net with a layer no rank uses and one only rank 0 uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = net()
+        self.unused = nn.Linear(4, 4)
+        self.rank0_only = nn.Linear(4, 4)
+
+    def forward(self, x, rank):
+        out = self.body(x)
+        return self.rank0_only(out) if rank == 0 else out
+
+
+def _no_grad_params(kw):
+    r = dist.get_rank()
+    model = _WithUnused()
+    before = model.unused.weight.detach().clone()
+    opt = SharedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), **kw)
+    for step in range(6):
+        x, y = batch(r, step)
+        opt.zero_grad()
+        F.cross_entropy(model(x, r), y).backward()
+        opt.step()
+    return {"unused equal": torch.equal(model.unused.weight, before), "unused grad": model.unused.weight.grad,
+            "unused state": len(opt.state.get(model.unused.weight, {})),
+            "rank0_only moved": not torch.equal(model.rank0_only.weight, _WithUnused().rank0_only.weight),
+            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [{}, {"link": None}, {"mode": "gradients", "compression": TopK(0.1)}],
+                         ids=["link-aware all-reduce steps", "compressed updates", "compressed gradients"])
+def test_parameters_no_rank_has_a_gradient_for_are_not_touched(kw):
+    res = run_local(_no_grad_params, 2, args=(kw,), timeout=120)
+    for r in res:
+        assert r["unused equal"] and r["unused grad"] is None and r["unused state"] == 0
+        assert r["rank0_only moved"]
+    assert torch.equal(res[0]["params"], res[1]["params"])
+
+
+def _add_group():
+    r = dist.get_rank()
+    torch.manual_seed(0)
+    model = net()
+    head = nn.Linear(4, 4)
+    opt = SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), link=None)
+    n_before = len(opt.sharing.buckets)
+    before = head.weight.detach().clone()
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5)
+    for step in range(5):
+        if step == 2:
+            opt.add_param_group({"params": head.parameters(), "lr": 0.1})
+        x, y = batch(r, step)
+        opt.zero_grad()
+        F.cross_entropy(head(model(x)), y).backward()
+        opt.step()
+        sched.step()
+    try:
+        opt.add_param_group({"params": [head.weight]})
+        again = None
+    except ValueError as e:
+        again = str(e)
+    return {"buckets": (n_before, len(opt.sharing.buckets)), "head moved": not torch.equal(head.weight, before),
+            "lrs": [g["lr"] for g in opt.param_groups], "again": again,
+            "params": torch.cat([p.detach().reshape(-1) for p in list(model.parameters()) + list(head.parameters())])}
+
+
+@pytest.mark.slow
+def test_add_param_group_is_shared_and_scheduled():
+    res = run_local(_add_group, 2, timeout=120)
+    assert res[0]["buckets"][1] == res[0]["buckets"][0] + 1
+    assert res[0]["head moved"] and len(res[0]["lrs"]) == 2 and res[0]["lrs"][1] < 0.1
+    assert "some parameters appear in more than one parameter group" in res[0]["again"]
+    assert torch.equal(res[0]["params"], res[1]["params"])
+
+
+def _dcp_round_trip():
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    r = dist.get_rank()
+
+    def make():
+        m = net()
+        return m, SharedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), link=None)
+
+    def steps(m, o, start, n):
+        for step in range(start, start + n):
+            x, y = batch(r, step)
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+
+    model, opt = make()
+    steps(model, opt, 0, 3)
+    msd, osd = copy.deepcopy(get_state_dict(model, opt))       # (its tensors are the live ones)
+    own = copy.deepcopy(opt.state_dict()["gradshare"])         # per rank: saved next to the DCP checkpoint
+    steps(model, opt, 3, 3)
+    model2, opt2 = make()
+    set_state_dict(model2, opt2, model_state_dict=msd, optim_state_dict=osd)
+    opt2.load_state_dict(dict(opt2.optimizer.state_dict(), gradshare=own))
+    steps(model2, opt2, 3, 3)
+    return {"same": torch.equal(torch.from_numpy(flat(model)), torch.from_numpy(flat(model2))),
+            "keys": sorted(osd)}
+
+
+@pytest.mark.slow
+def test_distributed_checkpoint_round_trip_resumes_exactly():
+    for r in run_local(_dcp_round_trip, 2, timeout=120):
+        assert r["same"] and r["keys"] == ["param_groups", "state"]
