@@ -163,3 +163,47 @@ def test_batches_from_tensor_dataset_and_generic_dataset():
 
     got2 = [b for b in data.batches(Plain(), [3, 1, 4], 2, prefetch=0)]
     assert torch.equal(got2[0][0], x[[3, 1]]) and got2[1][1].tolist() == [4]
+
+
+class _DictSamples(torch.utils.data.Dataset):
+    def __init__(self, n=10):
+        self.x = torch.arange(n * 3, dtype=torch.float32).view(n, 3)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"image": self.x[i], "label": i % 2}
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter([(torch.ones(2, 3) * k, torch.tensor([k, k])) for k in range(3)])
+
+
+def test_dataloaders_and_ready_made_batches_become_datasets():
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(_DictSamples(), batch_size=4, shuffle=True, collate_fn=lambda s: {"n": len(s)})
+    ds = data.as_dataset(loader)
+    assert isinstance(ds, data.LoaderDataset) and len(ds) == 10
+    assert data.collate(ds, torch.tensor([1, 2])) == {"n": 2}              # the loader's own collate_fn
+    plain = data.as_dataset(DataLoader(_DictSamples(), batch_size=4))
+    b = data.collate(plain, torch.tensor([3, 4]))                          # dict samples stay a dict batch
+    assert torch.equal(b["image"], _DictSamples().x[3:5]) and b["label"].tolist() == [1, 0]
+    assert data.split_batch(b, ("image", "label"))[1].tolist() == [1, 0]
+    with pytest.raises(KeyError, match="no key 'input' in a batch with keys \\['image', 'label'\\]"):
+        data.split_batch(b)
+
+    stream = data.as_dataset(DataLoader(_Stream(), batch_size=None))      # read once into whole batches
+    assert isinstance(stream, data.BatchList) and len(stream) == 3
+    listed = data.as_dataset([(torch.zeros(2, 3), torch.tensor([0, 1])), (torch.ones(1, 3), torch.tensor([1]))])
+    assert isinstance(listed, data.BatchList) and data.samples_per_batch(listed, 32) == 1
+    got = [b for b in data.batches(listed, [1, 0], 32, prefetch=0)]
+    assert [len(b[1]) for b in got] == [1, 2]                             # each batch as given, whole
+    gen = data.as_dataset(((torch.zeros(1, 3), torch.tensor([k])) for k in range(4)))
+    assert isinstance(gen, data.BatchList) and len(gen) == 4
+    with pytest.raises(TypeError, match="each batch must be a tuple"):
+        data.as_dataset(iter([1, 2]))
+    with pytest.raises(TypeError, match="a tuple must hold tensors"):
+        data.as_dataset([torch.zeros(2), 3])

@@ -28,3 +28,13 @@ def test_native_stub_names_every_binding_and_its_arguments():
 def test_typed_package_with_one_version():
     assert os.path.exists(os.path.join(HERE, "py.typed"))
     assert gradshare.build_info()["version"] == gradshare.__version__   # the native library's, from the same place
+
+
+def test_a_user_script_passes_mypy_strict(tmp_path):
+    """The public API is typed for a user's checker: no missing stubs, no untyped calls (tests/typed_user_script.py)."""
+    import pytest
+
+    api = pytest.importorskip("mypy.api")
+    script = os.path.join(os.path.dirname(__file__), "typed_user_script.py")
+    out, err, code = api.run(["--strict", "--cache-dir", str(tmp_path), script])
+    assert code == 0, out + err

@@ -161,3 +161,45 @@ def test_default_workers():
     assert default_workers(["cuda:0", "cuda:1", "cuda:2"]) == 3
     if not torch.cuda.is_available():
         assert 1 <= default_workers() <= max(1, min(4, os.cpu_count() or 1))
+
+
+class _DigitsDicts(torch.utils.data.Dataset):
+    """Digits as dict samples, the way many datasets hand them out."""
+
+    def __init__(self, ds):
+        self.x, self.y = ds.tensors
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"image": self.x[i], "label": self.y[i]}
+
+
+def test_fit_takes_a_dataloader_of_dict_batches_and_ready_made_batches(digits):
+    """A DataLoader of dict samples trains exactly as the same data given as tensors (link=None: both
+    compress at every step, so the runs repeat bit for bit)."""
+    from torch.utils.data import DataLoader
+
+    tr, te = digits
+
+    def fitted(data, **kw):
+        torch.manual_seed(0)
+        w = ParallelWrapper(SmallCNN(), ADAM, workers=2, progress=False, timeout=300, link=None, **kw)
+        return w, w.fit(data, epochs=2, **({} if isinstance(data, DataLoader) else {"batch_size": 48}))
+
+    w, hist = fitted(DataLoader(_DigitsDicts(tr), batch_size=48, shuffle=True), batch_keys=("image", "label"))
+    w_t, hist_t = fitted(tr.tensors)
+    per_rank = -(-len(tr) // 2)
+    assert len(w.steps) == 2 * -(-per_rank // 48)                       # the loader's batch size
+    assert [h["loss"] for h in hist] == [h["loss"] for h in hist_t]
+    assert all(torch.equal(a, b) for a, b in zip(w.model.state_dict().values(), w_t.model.state_dict().values()))
+    res = w.evaluate(DataLoader(_DigitsDicts(te), batch_size=64))
+    _, acc, _ = _single_process_eval(w.model, te)
+    assert res["accuracy"] == pytest.approx(acc, abs=1e-6)
+
+    x, y = tr.tensors
+    ready = [(x[i:i + 40], y[i:i + 40]) for i in range(0, 400, 40)]       # 10 batches, one generator
+    w2 = ParallelWrapper(SmallCNN(), ADAM, workers=2, progress=False, timeout=300)
+    w2.fit((b for b in ready), epochs=1)
+    assert len(w2.steps) == 5 and all(s["batch_size"] == 40 for s in w2.steps)

@@ -117,7 +117,7 @@ class ParameterAveraging(WrappedOptimizer):
         self._round_open = False
 
     # ------------------------------------------------------------------------------------ optimizer API
-    def step(self, closure=None):
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One optimizer step; then an averaging round when one is due. Returns the closure's loss."""
         if self.sharing is not None and not self._round_open:
             self.sharing.begin_updates()

@@ -99,19 +99,92 @@ def parse_data_spec(spec: str, seed: int = 0) -> Tuple[TensorDataset, TensorData
     raise ValueError(f"data: expected 'digits' or 'mnist:PATH', got {spec!r}")
 
 
+class LoaderDataset(Dataset):
+    """A DataLoader's map-style dataset with its ``collate_fn``: batches are built as the loader builds
+    them (dict batches too), from the indices gradshare deals to each rank (the loader's own sampler and
+    shuffling give way to that, as DistributedSampler's do)."""
+
+    def __init__(self, dataset: Dataset, collate_fn):
+        self.dataset, self.collate_fn = dataset, collate_fn
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        return self.dataset[i]
+
+
+class BatchList(Dataset):
+    """Batches given ready-made (a list of them, or read once from an iterable): each item is one batch,
+    dealt whole to a rank (batch size 1 of this dataset)."""
+
+    def __init__(self, batches: Sequence):
+        self.batches = list(batches)
+        if not self.batches:
+            raise ValueError("data: no batches")
+        kinds = {type(b).__name__ for b in self.batches if not isinstance(b, (tuple, list, dict))}
+        if kinds:
+            raise TypeError(f"data: each batch must be a tuple (inputs, targets, ...) or a dict, got {sorted(kinds)}")
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        return self.batches[i]
+
+    @staticmethod
+    def collate_fn(items):
+        return items[0]
+
+
 def as_dataset(data: DataLike, split: str = "train", seed: int = 0) -> Dataset:
-    """A Dataset from a Dataset, a tuple of tensors (inputs, targets, ...) or a data spec string."""
+    """A Dataset from a Dataset, a tuple of tensors (inputs, targets, ...), a data spec string, a DataLoader
+    (:class:`LoaderDataset`; one over an IterableDataset is read once into a :class:`BatchList`), a list of
+    batches or any other finite iterable of batches (read once, :class:`BatchList`)."""
+    from torch.utils.data import DataLoader, IterableDataset
+
     if isinstance(data, str):
         train, test = parse_data_spec(data, seed=seed)
         return train if split == "train" else test
+    if isinstance(data, DataLoader):
+        if isinstance(data.dataset, IterableDataset):
+            return BatchList(data)
+        return LoaderDataset(data.dataset, data.collate_fn)
     if isinstance(data, (tuple, list)):
-        if not data or not all(isinstance(t, torch.Tensor) for t in data):
-            raise TypeError("data: a tuple must hold tensors (inputs, targets, ...); convert arrays with "
-                            "torch.as_tensor")
-        return TensorDataset(*data)
-    if isinstance(data, Dataset) or (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
+        if data and all(isinstance(t, torch.Tensor) for t in data):
+            return TensorDataset(*data)
+        if data and all(isinstance(b, (tuple, list, dict)) for b in data):
+            return BatchList(data)
+        raise TypeError("data: a tuple must hold tensors (inputs, targets, ...), a list batches (tuples or "
+                        "dicts); convert arrays with torch.as_tensor")
+    if isinstance(data, Dataset) and not isinstance(data, IterableDataset) or (
+            hasattr(data, "__getitem__") and hasattr(data, "__len__")):
         return data
-    raise TypeError(f"data: expected a Dataset, a tuple of tensors or a spec string, got {type(data).__name__}")
+    if isinstance(data, IterableDataset) or hasattr(data, "__iter__"):
+        return BatchList(data)
+    raise TypeError(f"data: expected a Dataset, a DataLoader, batches, a tuple of tensors or a spec string, got "
+                    f"{type(data).__name__}")
+
+
+def split_batch(batch, keys: Tuple[str, str] = ("input", "target")):
+    """(inputs, targets) of a batch: a tuple (inputs, targets, ...) or a dict, read at ``keys``."""
+    if isinstance(batch, dict):
+        missing = [k for k in keys if k not in batch]
+        if missing:
+            raise KeyError(f"batch: no key {missing[0]!r} in a batch with keys {sorted(map(str, batch))}; name the "
+                           "inputs and targets with batch_keys=(inputs, targets)")
+        return batch[keys[0]], batch[keys[1]]
+    if len(batch) < 2:
+        raise ValueError(f"batch: expected (inputs, targets, ...), got {len(batch)} element(s)")
+    return batch[0], batch[1]
+
+
+def to_device(batch, device: torch.device):
+    """A tuple or dict batch with its tensors on ``device`` (other values as they are)."""
+    move = lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    if isinstance(batch, dict):
+        return {k: move(v) for k, v in batch.items()}
+    return tuple(move(t) for t in batch)
 
 
 def image_shape(ds: Dataset) -> Tuple[int, ...]:
@@ -168,12 +241,15 @@ def batch_indices(indices: Sequence[int], batch_size: int, start_batch: int = 0)
 
 
 def collate(ds: Dataset, idx: torch.Tensor):
-    """The samples ``idx`` of ``ds`` as one batch (a tuple of tensors); fast path for TensorDataset."""
+    """The samples ``idx`` of ``ds`` as one batch: a dict when the samples are dicts, else a tuple; built
+    by the dataset's ``collate_fn`` when it has one (:class:`LoaderDataset`, :class:`BatchList`); fast path
+    for TensorDataset."""
     if isinstance(ds, TensorDataset):
         return tuple(t[idx] for t in ds.tensors)
     from torch.utils.data import default_collate
 
-    return tuple(default_collate([ds[int(i)] for i in idx]))
+    b = getattr(ds, "collate_fn", default_collate)([ds[int(i)] for i in idx])
+    return b if isinstance(b, dict) else tuple(b)
 
 
 # ------------------------------------------------------------------------------------------- prefetching
@@ -241,16 +317,21 @@ class Prefetcher:
         self.close()
 
 
+def samples_per_batch(ds: Dataset, batch_size: int) -> int:
+    """``batch_size``, or 1 for a :class:`BatchList` (its items are the batches, used as given)."""
+    return 1 if isinstance(ds, BatchList) else int(batch_size)
+
+
 def batches(ds: Dataset, indices: Sequence[int], batch_size: int, *, start_batch: int = 0,
             device: Optional[torch.device] = None, prefetch: int = 2) -> Prefetcher:
     """Batches of ``ds`` over ``indices`` (from ``start_batch``), built ``prefetch`` ahead in a thread."""
-    chunks = batch_indices(indices, batch_size, start_batch)
+    chunks = batch_indices(indices, samples_per_batch(ds, batch_size), start_batch)
 
     def gen():
         for idx in chunks:
             b = collate(ds, idx)
             if device is not None and device.type != "cpu":
-                b = tuple(t.to(device, non_blocking=True) for t in b)
+                b = to_device(b, device)
             yield b
 
     return Prefetcher(gen(), prefetch)

@@ -71,6 +71,8 @@ class TrainConfig:
     DiLoCo and SparseLoCo, gradshare.averaging). ``devices``: device i % len
     for rank i (default CPU). ``on_step(state)`` runs after every step on every rank (checkpointing);
     ``resume`` is a dict from :meth:`TrainState.state_dict` or a function rank -> such a dict.
+    ``train_data``: anything gradshare.data.as_dataset takes (a Dataset, a DataLoader, ready-made batches,
+    tensors, a spec string); a batch is a tuple (inputs, targets, ...) or a dict read at ``batch_keys``.
     """
     model: nn.Module
     optimizer: OptimizerSpec
@@ -98,6 +100,7 @@ class TrainConfig:
     record_steps: bool = True
     on_step: Optional[Callable[["TrainState"], None]] = None
     resume: Any = None
+    batch_keys: Tuple[str, str] = ("input", "target")
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -280,7 +283,7 @@ def train_rank(cfg: TrainConfig, ctx: Any = None) -> Dict[str, Any]:
         else None
     n = len(train_ds)
     per_rank = -(-n // world)
-    steps_per_epoch = -(-per_rank // cfg.batch_size)
+    steps_per_epoch = -(-per_rank // gdata.samples_per_batch(train_ds, cfg.batch_size))
     bar = None
     if cfg.progress and rank == 0:
         from tqdm.auto import tqdm
@@ -343,7 +346,7 @@ def _train_epoch(cfg: TrainConfig, ts: TrainState, ds, device, steps_per_epoch: 
     with gdata.batches(ds, idx, cfg.batch_size, start_batch=ts.batch, device=device,
                        prefetch=cfg.prefetch_buffer) as it:
         for batch in it:
-            x, y = batch[0], batch[1]
+            x, y = gdata.split_batch(batch, cfg.batch_keys)
             t0 = time.perf_counter()
             opt.zero_grad()
             out = model(x)
@@ -403,7 +406,8 @@ def _end_epoch(cfg: TrainConfig, ts: TrainState, val_ds, device, seconds: float)
                            "density": (t["density_sum"] / t["density_steps"]) if t["density_steps"] else None,
                            "seconds": seconds}
     if val_ds is not None:
-        vals = evaluate_shard(ts.model, val_ds, cfg.metrics, cfg.loss_fn, cfg.eval_batch_size, device)
+        vals = evaluate_shard(ts.model, val_ds, cfg.metrics, cfg.loss_fn, cfg.eval_batch_size, device,
+                              cfg.batch_keys)
         rec.update({f"val_{k}": v for k, v in vals.items()})
     return rec
 
@@ -411,7 +415,7 @@ def _end_epoch(cfg: TrainConfig, ts: TrainState, val_ds, device, seconds: float)
 # ------------------------------------------------------------------------------- evaluate / predict
 @torch.no_grad()
 def evaluate_shard(model: nn.Module, ds, metrics: Sequence[Any], loss_fn: Callable, batch_size: int,
-                   device: torch.device) -> Dict[str, float]:
+                   device: torch.device, batch_keys: Tuple[str, str] = ("input", "target")) -> Dict[str, float]:
     """Metrics of ``model`` over the whole ``ds``: this rank scores its contiguous block, the (sum,
     count) pairs are summed over the group (collective), so every rank returns the exact totals."""
     rank, world = _rank_world()
@@ -423,8 +427,9 @@ def evaluate_shard(model: nn.Module, ds, metrics: Sequence[Any], loss_fn: Callab
     try:
         with gdata.batches(ds, block, batch_size, device=device, prefetch=0) as it:
             for batch in it:
-                out = model(batch[0])
-                for k, (s, c) in gmetrics.batch_sums(metrics, out, batch[1], loss_fn).items():
+                x, y = gdata.split_batch(batch, batch_keys)
+                out = model(x)
+                for k, (s, c) in gmetrics.batch_sums(metrics, out, y, loss_fn).items():
                     acc[k][0] += s
                     acc[k][1] += c
     finally:
@@ -434,7 +439,13 @@ def evaluate_shard(model: nn.Module, ds, metrics: Sequence[Any], loss_fn: Callab
 
 
 @torch.no_grad()
-def predict_shard(model: nn.Module, ds, batch_size: int, device: torch.device) -> Optional[torch.Tensor]:
+def _inputs(batch, keys: Tuple[str, str]):
+    """A batch's inputs (prediction data may have no targets)."""
+    return batch[keys[0]] if isinstance(batch, dict) else batch[0]
+
+
+def predict_shard(model: nn.Module, ds, batch_size: int, device: torch.device,
+                  batch_keys: Tuple[str, str] = ("input", "target")) -> Optional[torch.Tensor]:
     """Outputs of ``model`` for every sample of ``ds`` in order; collective. Each rank predicts its
     contiguous block; the blocks are gathered (padded to equal size, then trimmed) to rank 0, which
     returns the (len(ds), ...) CPU tensor; other ranks return None."""
@@ -445,11 +456,11 @@ def predict_shard(model: nn.Module, ds, batch_size: int, device: torch.device) -
     outs = []
     with gdata.batches(ds, block, batch_size, device=device, prefetch=0) as it:
         for batch in it:
-            outs.append(model(batch[0]))
+            outs.append(model(_inputs(batch, batch_keys)))
     if outs:
         mine = torch.cat(outs)
     else:  # fewer samples than ranks: learn the output shape from one sample
-        probe = model(gdata.collate(ds, torch.tensor([0]))[0].to(device))
+        probe = model(_inputs(gdata.to_device(gdata.collate(ds, torch.tensor([0])), device), batch_keys))
         mine = probe[:0]
     if world == 1:
         return mine.cpu()
@@ -475,6 +486,7 @@ class EvalConfig:
     devices: Optional[Sequence[str]] = None
     seed: int = 0
     split: str = "test"
+    batch_keys: Tuple[str, str] = ("input", "target")
 
 
 def evaluate_rank(cfg: EvalConfig) -> Dict[str, float]:
@@ -484,7 +496,7 @@ def evaluate_rank(cfg: EvalConfig) -> Dict[str, float]:
     device = rank_device(cfg.devices, rank)
     model = copy.deepcopy(cfg.model).to(device)
     ds = gdata.as_dataset(cfg.data, cfg.split, seed=cfg.seed)
-    return evaluate_shard(model, ds, cfg.metrics, cfg.loss_fn, cfg.batch_size, device)
+    return evaluate_shard(model, ds, cfg.metrics, cfg.loss_fn, cfg.batch_size, device, cfg.batch_keys)
 
 
 def predict_rank(cfg: EvalConfig) -> Optional[torch.Tensor]:
@@ -493,4 +505,4 @@ def predict_rank(cfg: EvalConfig) -> Optional[torch.Tensor]:
     device = rank_device(cfg.devices, rank)
     model = copy.deepcopy(cfg.model).to(device)
     ds = gdata.as_dataset(cfg.data, cfg.split, seed=cfg.seed)
-    return predict_shard(model, ds, cfg.batch_size, device)
+    return predict_shard(model, ds, cfg.batch_size, device, cfg.batch_keys)

@@ -160,7 +160,7 @@ class SharedOptimizer(SharingFront, WrappedOptimizer):
                                                                  inv.to(device))
         return False
 
-    def step(self, closure: Optional[Callable[[], Any]] = None):
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():

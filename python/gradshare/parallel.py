@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from gradshare import data as gdata
 from gradshare import loop
@@ -88,6 +89,7 @@ class ParallelWrapper:
             bit for bit).
         devices: devices to place workers on (worker i on devices[i % len]); default the GPUs, else CPU.
         seed: fixes the data order of every epoch (and each worker's torch RNG).
+        batch_keys: the keys of the inputs and the targets in dict batches (default "input", "target").
         progress: show a tqdm progress bar (rank 0).
         timeout: seconds after which a whole fit/evaluate/predict gives up.
         shared, clipping, average_optimizer_state, warmup_steps: see gradshare.loop.TrainConfig.
@@ -99,7 +101,8 @@ class ParallelWrapper:
                  seed: int = 0, *, optimizer_kwargs: Optional[Dict[str, Any]] = None, shared: str = "updates",
                  clipping: Any = "default", average_optimizer_state: Optional[bool] = None, warmup_steps: int = 0,
                  progress: bool = True, timeout: float = 7 * _DAY, threshold: Any = None,
-                 outer_optimizer: Any = None, residual_decay: float = 1.0, link: Any = "auto"):
+                 outer_optimizer: Any = None, residual_decay: float = 1.0, link: Any = "auto",
+                 batch_keys: Sequence[str] = ("input", "target")):
         if threshold is not None:
             if compression is not None:
                 raise TypeError("pass compression= or its former name threshold=, not both")
@@ -129,6 +132,9 @@ class ParallelWrapper:
         self.outer_optimizer = outer_optimizer
         self.residual_decay = float(residual_decay)
         self.link = link
+        if isinstance(batch_keys, str) or len(batch_keys) != 2:
+            raise ValueError(f"batch_keys: expected (inputs key, targets key), got {batch_keys!r}")
+        self.batch_keys = (str(batch_keys[0]), str(batch_keys[1]))
         self.warmup_steps = int(warmup_steps)
         self.progress = progress
         self.timeout = float(timeout)
@@ -136,9 +142,12 @@ class ParallelWrapper:
         for name in ("optimizer", "loss_fn", "compression", "clipping", "outer_optimizer", "link"):
             loop.check_picklable(name, getattr(self, name))
 
-    def config(self, data, epochs: int = 1, batch_size: int = 32, validation_data=None,
+    def config(self, data, epochs: int = 1, batch_size: Optional[int] = None, validation_data=None,
                metrics: Sequence[Any] = ("loss", "accuracy")) -> loop.TrainConfig:
         """The TrainConfig ``fit`` runs (also usable with gradshare.loop.train_rank under other launchers)."""
+        if batch_size is None:
+            batch_size = getattr(data, "batch_size", None) if isinstance(data, DataLoader) else None
+            batch_size = 32 if batch_size is None else batch_size
         cfg = loop.TrainConfig(
             model=self.model, optimizer=self.optimizer, train_data=_shareable(data, "train", self.seed),
             loss_fn=self.loss_fn, epochs=epochs, batch_size=batch_size, mode=self.mode, shared=self.shared,
@@ -148,14 +157,18 @@ class ParallelWrapper:
             outer_optimizer=self.outer_optimizer, residual_decay=self.residual_decay,
             validation_data=None if validation_data is None else _shareable(validation_data, "test", self.seed),
             metrics=tuple(metrics), seed=self.seed, devices=self.devices, prefetch_buffer=self.prefetch_buffer,
-            progress=self.progress)
+            progress=self.progress, batch_keys=self.batch_keys)
         cfg.validate()
         return cfg
 
-    def fit(self, data, epochs: int = 1, batch_size: int = 32, validation_data=None,
+    def fit(self, data, epochs: int = 1, batch_size: Optional[int] = None, validation_data=None,
             metrics: Sequence[Any] = ("loss", "accuracy")) -> List[Dict[str, Any]]:
-        """Trains for ``epochs`` epochs over ``data`` (a Dataset, a tuple of tensors, or "digits" /
-        "mnist:PATH" for their training split); ``batch_size`` is per worker. Loads the trained weights
+        """Trains for ``epochs`` epochs over ``data``: a Dataset, a DataLoader (its dataset, batch size and
+        collate_fn; gradshare deals the samples to the workers and shuffles them per epoch, in place of the
+        loader's sampler), ready-made batches (a list, or any finite iterable, read once; each batch goes
+        whole to one worker and ``batch_size`` does not apply), a tuple of tensors, or "digits" /
+        "mnist:PATH" for their training split. Batches are tuples (inputs, targets, ...) or dicts (read at
+        ``batch_keys``). ``batch_size`` is per worker (default: the DataLoader's, else 32). Loads the trained weights
         into ``self.model`` and returns the history: per epoch, training loss and accuracy over all
         workers, bytes sent and what dense all-reduce would have sent (all workers), density, seconds,
         and ``val_<metric>`` for ``validation_data``. Each fit builds fresh optimizers (their state is
@@ -178,7 +191,7 @@ class ParallelWrapper:
         loop.check_picklable("metrics", tuple(metrics))
         cfg = loop.EvalConfig(model=self.model, data=_shareable(data, "test", self.seed),
                               metrics=tuple(metrics), loss_fn=self.loss_fn, batch_size=batch_size,
-                              devices=self.devices, seed=self.seed)
+                              devices=self.devices, seed=self.seed, batch_keys=self.batch_keys)
         return launch_local(loop.evaluate_rank, cfg, self.workers, devices=self.devices,
                             timeout=self.timeout)[0]
 
@@ -188,7 +201,8 @@ class ParallelWrapper:
         if isinstance(data, torch.Tensor):
             data = (data,)
         cfg = loop.EvalConfig(model=self.model, data=_shareable(data, "test", self.seed),
-                              batch_size=batch_size, devices=self.devices, seed=self.seed)
+                              batch_size=batch_size, devices=self.devices, seed=self.seed,
+                              batch_keys=self.batch_keys)
         return launch_local(loop.predict_rank, cfg, self.workers, devices=self.devices,
                             timeout=self.timeout)[0]
 
@@ -204,4 +218,7 @@ def _shareable(data, split: str, seed: int):
         if data != "digits" and not data.startswith("mnist:"):
             raise ValueError(f"data: expected 'digits' or 'mnist:PATH', got {data!r}")
         return data
-    return gdata.as_dataset(data, split, seed=seed)
+    ds = gdata.as_dataset(data, split, seed=seed)
+    if isinstance(ds, gdata.LoaderDataset):
+        loop.check_picklable("the DataLoader's collate_fn", ds.collate_fn)
+    return ds
