@@ -13,7 +13,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradshare import Adaptive, ThresholdState, threshold_hook, verify_replicas
 from gradshare.workers import run_local
-from tiny_model import flat as _flat, net as _net
 
 MNIST = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "mnist")
 
@@ -139,56 +138,3 @@ def test_hook_converges_near_ddp_with_40x_fewer_bytes():
     assert dense["acc"] > 0.9
     assert shared["acc"] >= dense["acc"] - 0.025
     assert dense["bytes"] >= 40 * shared["bytes"]
-
-
-# --------------------------------------------------------------------------------------------------
-# Under a framework that accepts comm hooks: Lightning's DDPStrategy(ddp_comm_state=, ddp_comm_hook=)
-# --------------------------------------------------------------------------------------------------
-
-def _lightning_fit():
-    warnings.simplefilter("ignore")
-    import lightning as L
-    from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
-    from lightning.pytorch.strategies import DDPStrategy
-
-    class CPUHookDDPStrategy(DDPStrategy):
-        """Lightning registers comm hooks on CUDA only; this registers them on CPU (gloo) the same way."""
-
-        def _register_ddp_hooks(self) -> None:
-            _register_ddp_comm_hook(model=self.model, ddp_comm_state=self._ddp_comm_state,
-                                    ddp_comm_hook=self._ddp_comm_hook, ddp_comm_wrapper=self._ddp_comm_wrapper)
-
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = _net()
-
-        def training_step(self, batch, i):
-            x, y = batch
-            return F.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    g = torch.Generator().manual_seed(dist.get_rank())
-    x = torch.randn(320, 20, generator=g)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :4].argmax(1)), batch_size=16)
-    state = ThresholdState(compression=Adaptive(initial=2e-2))   # Lightning builds the optimizer later: gradients
-    module = Module()
-    trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), max_epochs=2, logger=False,
-                        strategy=CPUHookDDPStrategy(ddp_comm_state=state, ddp_comm_hook=threshold_hook),
-                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                        use_distributed_sampler=False)
-    trainer.fit(module, loader)
-    verify_replicas(module.net)
-    return state.iteration, state.stats.exchanges, _flat(module.net)
-
-
-@pytest.mark.slow
-def test_hook_under_lightning_ddp_strategy():
-    pytest.importorskip("lightning")
-    res = run_local(_lightning_fit, 2, timeout=240)
-    for iteration, exchanges, params in res:
-        assert iteration == 40 and exchanges >= 40            # 2 epochs x 20 batches went through the hook
-        assert np.array_equal(params, res[0][2])
-    assert not np.array_equal(res[0][2], _flat(_net()))

@@ -1,0 +1,181 @@
+"""gradshare.lightning.GradshareStrategy: Lightning's Trainer with gradshare's DDP hook, on CPU (gloo)."""
+import glob
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+L = pytest.importorskip("lightning")
+
+import gradshare.lightning  # noqa: E402  (needs lightning)
+from gradshare import ThresholdState, TopK, verify_replicas  # noqa: E402
+from gradshare.lightning import CHECKPOINT_KEY, GradshareStrategy  # noqa: E402
+from gradshare.workers import run_local  # noqa: E402
+from tiny_model import flat, net  # noqa: E402
+
+BATCHES = 6                  # per epoch and rank
+
+
+class _Module(L.LightningModule):
+    def __init__(self, bad_step=None):
+        super().__init__()
+        self.net = net()
+        self.bad_step = bad_step
+
+    def training_step(self, batch, i):
+        x, y = batch
+        if self.global_step == self.bad_step and dist.get_rank() == 1:
+            x = x.clone()
+            x[0, 0] = float("inf")
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+class _StartState(L.Callback):
+    """This rank's sharing state when training starts (after Lightning restored any checkpoint)."""
+
+    def on_train_start(self, trainer, module):
+        self.state = trainer.strategy.state.state_dict()
+
+
+def _loader():
+    # Different data on every rank, the same on every run: no shuffling, no distributed sampler.
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(16 * BATCHES, 20, generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :4].argmax(1)), batch_size=16)
+
+
+def _trainer(strategy, max_steps, callbacks=(), checkpointing=False, root=None):
+    return L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, max_steps=max_steps,
+                     callbacks=list(callbacks), enable_checkpointing=checkpointing, default_root_dir=root,
+                     logger=False, enable_progress_bar=False, enable_model_summary=False,
+                     use_distributed_sampler=False)
+
+
+def _residual(state_dict):
+    return torch.cat([b["residual"] for b in state_dict["sharing"]["buckets"]]).numpy()
+
+
+# --------------------------------------------------------------------------------------------------
+# Constructing the strategy
+# --------------------------------------------------------------------------------------------------
+
+def test_keywords_go_to_the_sharing_state_or_to_ddp():
+    topk = TopK(0.05)
+    s = GradshareStrategy(compression=topk, link=None, nonfinite="skip", find_unused_parameters=True)
+    assert s.state_kwargs == {"compression": topk, "link": None, "nonfinite": "skip"}
+    assert s._ddp_kwargs == {"find_unused_parameters": True}
+    assert s.state is None                     # built when fit sets up
+    with pytest.raises(TypeError, match="ddp_comm_hook"):
+        GradshareStrategy(ddp_comm_hook=lambda state, bucket: None)
+
+
+def test_resuming_with_another_number_of_ranks_is_refused():
+    strategy = GradshareStrategy(link=None)
+    opt = torch.optim.AdamW(net().parameters())
+    strategy.state = ThresholdState(optimizer=opt, link=None)
+    entry = {"sharing": strategy.state.state_dict(), "optimizer": opt.state_dict()}
+    ckpt = {"optimizer_states": [opt.state_dict()], CHECKPOINT_KEY: {"world_size": 2, "ranks": [entry, entry]}}
+    with pytest.raises(ValueError, match="state of 2 ranks, this run has 1"):
+        strategy.load_optimizer_state_dict(ckpt)
+
+
+# --------------------------------------------------------------------------------------------------
+# Training under Lightning, 2 ranks
+# --------------------------------------------------------------------------------------------------
+
+def _fit(state_kwargs, bad_step):
+    warnings.simplefilter("ignore")
+    calls = []
+    hook = gradshare.lightning.threshold_hook
+
+    def counted(state, bucket):
+        calls.append(bucket.index())
+        return hook(state, bucket)
+
+    gradshare.lightning.threshold_hook = counted   # in this worker only: the strategy registers this name
+    module = _Module(bad_step)
+    strategy = GradshareStrategy(**state_kwargs)
+    _trainer(strategy, 3 * BATCHES).fit(module, _loader())
+    verify_replicas(module.net)
+    st = strategy.state
+    return {"mode": st.mode, "iteration": st.iteration, "formats": dict(st.stats.format_counts),
+            "hook_calls": len(calls), "params": flat(module.net)}
+
+
+@pytest.mark.slow
+def test_the_one_line_trains_in_updates_mode_with_identical_replicas():
+    res = run_local(_fit, 2, ({}, None), timeout=120)
+    for r in res:
+        assert r["mode"] == "updates"
+        assert r["hook_calls"] >= 3 * BATCHES             # DDP called gradshare's hook at every backward
+        assert r["iteration"] == 3 * BATCHES               # and every optimizer step was shared
+        # The link-aware default starts with all-reduce steps, then times compressed ones (gradshare.link):
+        # both paths ran under Lightning.
+        compressed = sum(n for f, n in r["formats"].items() if f not in ("allreduce", "skipped"))
+        assert r["formats"]["allreduce"] > 0 and compressed > 0, r["formats"]
+        assert np.array_equal(r["params"], res[0]["params"])
+    assert not np.array_equal(res[0]["params"], flat(net()))
+
+
+@pytest.mark.slow
+def test_a_nonfinite_gradient_in_the_closure_skips_that_step_everywhere():
+    # Lightning runs backward inside optimizer.step(closure): gradshare must see this step's non-finite flag
+    # before the optimizer steps, or rank 1's AdamW state takes the Inf and its parameters turn NaN.
+    res = run_local(_fit, 2, ({"nonfinite": "skip", "link": None}, 4), timeout=120)
+    for r in res:
+        assert r["iteration"] == 3 * BATCHES - 1          # Lightning's 18 steps, one of them dropped
+        assert np.isfinite(r["params"]).all()
+        assert np.array_equal(r["params"], res[0]["params"])
+
+
+def _resume(root):
+    warnings.simplefilter("ignore")
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    steps, at = 3 * BATCHES, 2 * BATCHES    # the checkpoint ends an epoch: Lightning resumes at the next one
+    # link=None: the link-aware choice times steps, so two runs could take different paths.
+    full = _Module()
+    first = GradshareStrategy(link=None)
+    _trainer(first, steps, [ModelCheckpoint(dirpath=root, every_n_train_steps=at, save_top_k=-1)],
+             checkpointing=True, root=root).fit(full, _loader())
+    (path,) = glob.glob(os.path.join(root, "*.ckpt"))
+    saved = torch.load(path, weights_only=True)           # plain data: Lightning's default load reads it
+    again = _Module()
+    second = GradshareStrategy(link=None)
+    start = _StartState()
+    _trainer(second, steps, [start], root=root).fit(again, _loader(), ckpt_path=path)
+    verify_replicas(again.net)
+    ranks = saved[CHECKPOINT_KEY]["ranks"]
+    # numpy, not tensors: tensors would come back through shared memory that ends with this process
+    return {"global_step": saved["global_step"], "world_size": saved[CHECKPOINT_KEY]["world_size"],
+            "saved": [_residual(e["sharing"]) for e in ranks],
+            "moments": [next(iter(e["optimizer"]["state"].values()))["exp_avg"].numpy() for e in ranks],
+            "start": _residual(start.state), "start_step": start.state["sharing"]["step"],
+            "full": (flat(full.net), _residual(first.state.state_dict()), first.state.iteration),
+            "resumed": (flat(again.net), _residual(second.state.state_dict()), second.state.iteration),
+            "rank": dist.get_rank()}
+
+
+@pytest.mark.slow
+def test_fit_from_a_lightning_checkpoint_continues_bit_for_bit(tmp_path):
+    res = run_local(_resume, 2, (str(tmp_path),), timeout=150)
+    saved = res[0]["saved"]
+    assert res[0]["global_step"] == 2 * BATCHES and res[0]["world_size"] == 2
+    # What makes per-rank entries necessary: residuals and AdamW moments differ between the ranks.
+    assert not np.array_equal(saved[0], saved[1]) and np.abs(saved[1]).sum() > 0
+    assert not np.array_equal(*res[0]["moments"])
+    for r in res:
+        assert np.array_equal(r["start"], saved[r["rank"]])   # each rank restored its own residuals
+        assert r["start_step"] == 2 * BATCHES
+        params, residual, iteration = r["full"]
+        assert iteration == r["resumed"][2] == 3 * BATCHES
+        assert np.array_equal(r["resumed"][0], params)       # bitwise, on every rank
+        assert np.array_equal(r["resumed"][1], residual)
+        assert np.array_equal(params, res[0]["full"][0])
