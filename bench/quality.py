@@ -22,7 +22,9 @@ link-aware, so on this loopback link mostly DDP's all-reduce; gradshare.link),
 the record of how the defaults were chosen: ``gradshare_ternary`` / ``gradshare_topk`` (the two codecs on
 every workload), ``gradshare_gradients`` (the hook without ``optimizer=``: gradients shared),
 ``gradshare_strom`` (DL4J's +-tau with an Adaptive threshold, gradients shared: gradshare's former default)
-and ``single`` (one process alone, same batch per step: what sharing must beat).
+and ``single`` (one process alone, same batch per step: what sharing must beat). Any contender with
+``@bf16`` appended trains under CPU bf16 autocast, with ``@fp16`` under fp16 autocast and a
+torch.amp.GradScaler (``scaler.step`` on the optimizer, as in a user's AMP script).
 
 Local steps (gradshare.averaging.ParameterAveraging, no DDP; the model talks once every H steps):
 ``avg_h5`` / ``avg_h20`` (parameters and optimizer state averaged), ``diloco_h20`` / ``diloco_h50``
@@ -111,12 +113,14 @@ def rank_main(cfg: Dict) -> Dict:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     wl = workloads.WORKLOADS[cfg["workload"]]
+    name, _, precision = cfg["contender"].partition("@")   # NAME@bf16: bf16 autocast; NAME@fp16: + GradScaler
+    if precision not in ("", "bf16", "fp16"):
+        raise ValueError(f"contender {cfg['contender']!r}: precision must be bf16 or fp16")
     data = workloads.Data(cfg["workload"], cfg["seed"], cfg["data_dir"])
     counter = ByteCounter(world)
     torch.manual_seed(cfg["seed"])
     model = wl.model()
     n = sum(p.numel() for p in model.parameters())
-    name = cfg["contender"]
     local = name in LOCAL_STEPS or name.startswith("la:")
     if local:
         net = model
@@ -168,13 +172,17 @@ def rank_main(cfg: Dict) -> Dict:
         net.register_comm_hook(state, gradshare.threshold_hook)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=wl.steps)
     losses, t0 = [], time.perf_counter()
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
+    half = torch.bfloat16 if precision == "bf16" else torch.float16
     for step in range(wl.steps):
         x, y = data.batch(step, rank if name != "single" else 0, world if name != "single" else 1, wl.batch)
         counter.on = True
         opt.zero_grad(set_to_none=True)
-        loss = data.loss(net(x), y)
-        loss.backward()
-        stepper.step()
+        with torch.autocast("cpu", dtype=half, enabled=bool(precision)):
+            loss = data.loss(net(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(stepper)
+        scaler.update()
         sched.step()
         counter.on = False
         losses.append(float(loss.detach()))
@@ -198,7 +206,7 @@ def run_one(workload: str, contender: str, seed: int, workers: int, data_dir: st
     from gradshare.workers import run_local
 
     cfg = {"workload": workload, "contender": contender, "seed": seed, "data_dir": data_dir}
-    world = 1 if contender == "single" else workers
+    world = 1 if contender.partition("@")[0] == "single" else workers
     t0 = time.perf_counter()
     outs = run_local(rank_main, world, (cfg,), threads=1, timeout=3600, collective_timeout=600)
     r0 = outs[0]
@@ -266,7 +274,7 @@ def main(argv=None) -> int:
     data_dir = args.data_dir or workloads.MNIST_DIR
     sep = ";" if ";" in args.contenders else ","      # gs:EXPR contenders hold commas: separate them with ;
     contenders = [c for c in args.contenders.split(sep) if c]
-    unknown = [c for c in contenders if c not in CONTENDERS and not c.startswith(("gs:", "la:"))]
+    unknown = [c for c in contenders if c.partition("@")[0] not in CONTENDERS and not c.startswith(("gs:", "la:"))]
     if unknown:
         p.error(f"unknown contender(s) {unknown}; choose from {', '.join(CONTENDERS)}")
     os.makedirs(args.out, exist_ok=True)
