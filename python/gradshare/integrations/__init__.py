@@ -1,0 +1,1 @@
+"""Integrations of gradshare's DDP communication hook with training frameworks (Accelerate, Transformers)."""

@@ -1,0 +1,134 @@
+"""gradshare.integrations.accelerate.share: Accelerate's DDP with gradshare's hook, on CPU (gloo)."""
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+accelerate = pytest.importorskip("accelerate")
+
+import gradshare.integrations.accelerate as ga  # noqa: E402  (needs accelerate)
+from gradshare import verify_replicas  # noqa: E402
+from gradshare.checkpoint import load, write_atomic  # noqa: E402
+from gradshare.workers import run_local  # noqa: E402
+from tiny_model import batch, flat, net  # noqa: E402
+
+STEPS = 18
+
+
+def _residual(state_dict):
+    return torch.cat([b["residual"] for b in state_dict["sharing"]["buckets"]]).numpy()
+
+
+def test_one_process_shares_nothing():
+    accelerator = accelerate.Accelerator(cpu=True)
+    model, opt = accelerator.prepare(net(), torch.optim.AdamW(net().parameters()))
+    assert ga.share(accelerator, model, opt) is None
+
+
+def test_the_accelerator_comes_first():
+    with pytest.raises(TypeError, match="expected an accelerate.Accelerator"):
+        ga.share(net(), net(), None)
+
+
+def test_a_folder_saved_by_another_number_of_processes_is_refused(tmp_path):
+    path = ga.state_file(str(tmp_path), 0)
+    write_atomic({"state": {"rank": 0}, "ranks": [{"sharing": {}, "optimizer": {}}]}, path, world_size=2)
+    assert ga.read_state(path, 2) == {"sharing": {}, "optimizer": {}}
+    with pytest.raises(ValueError, match="saved by 2 processes, this run has 3"):
+        ga.read_state(path, 3)
+
+
+def _train(root, steps, save_at=None, resume=False, **state_kwargs):
+    """Trains net() for ``steps`` steps on rank-specific batches; save_state(root) after ``save_at`` steps, or
+    (resume) load_state(root) first and continue from the step it was saved at."""
+    warnings.simplefilter("ignore")
+    rank = dist.get_rank()
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = net()
+    model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+    state = ga.share(accelerator, model, opt, **state_kwargs)
+    out = {"rank": rank}
+    start = 0
+    if resume:
+        accelerator.load_state(root)
+        start = state.iteration
+        # A copy: training goes on updating the optimizer's tensors in place.
+        moment = next(iter(opt.state_dict()["state"].values()))["exp_avg"].numpy().copy()
+        out["start"] = (_residual(state.state_dict()), moment)
+    for step in range(start, steps):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        accelerator.backward(F.cross_entropy(model(x), y))
+        opt.step()
+        if step + 1 == save_at:
+            accelerator.save_state(root)
+    verify_replicas(model.module)
+    out.update(mode=state.mode, iteration=state.iteration, formats=dict(state.stats.format_counts),
+               params=flat(model.module), residual=_residual(state.state_dict()))
+    return out
+
+
+def _count_hook_calls():
+    calls = []
+    hook = ga.threshold_hook
+
+    def counted(state, bucket):
+        calls.append(bucket.index())
+        return hook(state, bucket)
+
+    ga.threshold_hook = counted   # in this worker only: share() registers this name
+    return calls
+
+
+def _train_counted(root, steps):
+    calls = _count_hook_calls()
+    out = _train(root, steps)
+    out["hook_calls"] = len(calls)
+    return out
+
+
+@pytest.mark.slow
+def test_the_one_line_trains_in_updates_mode_with_identical_replicas(tmp_path):
+    res = run_local(_train_counted, 2, (str(tmp_path), STEPS), timeout=120)
+    for r in res:
+        assert r["mode"] == "updates"
+        assert r["hook_calls"] >= STEPS                    # DDP called gradshare's hook at every backward
+        assert r["iteration"] == STEPS                     # and every optimizer step was shared
+        # The link-aware default starts with all-reduce steps, then times compressed ones: both ran.
+        compressed = sum(n for f, n in r["formats"].items() if f not in ("allreduce", "skipped"))
+        assert r["formats"]["allreduce"] > 0 and compressed > 0, r["formats"]
+        assert np.array_equal(r["params"], res[0]["params"])
+    assert not np.array_equal(res[0]["params"], flat(net()))
+
+
+def _resume(root):
+    # link=None: the link-aware choice times steps, so two runs could take different paths.
+    full = _train(root, STEPS, save_at=STEPS // 2, link=None)
+    rank = dist.get_rank()
+    saved = load(ga.state_file(root, rank))
+    dist.barrier()                   # both ranks have read the folder before the second run loads it
+    resumed = _train(root, STEPS, resume=True, link=None)
+    return {"full": full, "resumed": resumed, "saved": _residual(saved.ranks[0]["sharing"]),
+            "moment": next(iter(saved.ranks[0]["optimizer"]["state"].values()))["exp_avg"].numpy(),
+            "world_size": saved.world_size, "saved_step": saved.step}
+
+
+@pytest.mark.slow
+def test_load_state_continues_bit_for_bit_with_every_ranks_state(tmp_path):
+    res = run_local(_resume, 2, (str(tmp_path),), timeout=150)
+    # What makes per-rank files necessary: residuals and AdamW moments differ between the ranks.
+    assert not np.array_equal(res[0]["saved"], res[1]["saved"]) and np.abs(res[1]["saved"]).sum() > 0
+    assert not np.array_equal(res[0]["moment"], res[1]["moment"])
+    for r in res:
+        assert r["world_size"] == 2 and r["saved_step"] == STEPS // 2
+        residual, moment = r["resumed"]["start"]
+        assert np.array_equal(residual, r["saved"])         # each rank restored its own residuals
+        assert np.array_equal(moment, r["moment"])          # and its own optimizer state, not rank 0's
+        assert r["full"]["iteration"] == r["resumed"]["iteration"] == STEPS
+        assert np.array_equal(r["resumed"]["params"], r["full"]["params"])    # bitwise, on every rank
+        assert np.array_equal(r["resumed"]["residual"], r["full"]["residual"])
+        assert np.array_equal(r["full"]["params"], res[0]["full"]["params"])

@@ -1,0 +1,181 @@
+"""gradshare.integrations.transformers: the Hugging Face Trainer with gradshare's DDP hook, on CPU (gloo)."""
+import io
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import gradshare.integrations.transformers as gt  # noqa: E402  (needs transformers)
+from gradshare import verify_replicas  # noqa: E402
+from gradshare.workers import run_local  # noqa: E402
+from tiny_model import flat, net  # noqa: E402
+
+BATCH = 16
+STEPS_PER_EPOCH = 6            # per rank: the Trainer's sampler gives each rank its own share of the data
+
+
+class _Model(nn.Module):
+    """net() returning what the Trainer reads: a dict with the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = net()
+
+    def forward(self, x, labels):
+        logits = self.net(x)
+        return {"loss": F.cross_entropy(logits, labels), "logits": logits}
+
+
+class _Data(torch.utils.data.Dataset):
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 20, generator=g)
+        self.y = self.x[:, :4].argmax(1)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class _StartState(transformers.TrainerCallback):
+    """This rank's sharing and optimizer state when training begins (after gradshare restored its own)."""
+
+    def __init__(self, gradshare_callback):
+        self.gs = gradshare_callback
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.residual = _residual(self.gs.state.state_dict())
+        self.sharing_step = self.gs.state.iteration
+        self.moment = _first_moment(optimizer.state_dict())
+
+
+def _residual(state_dict):
+    return torch.cat([b["residual"] for b in state_dict["sharing"]["buckets"]]).numpy()
+
+
+def _first_moment(optimizer_state):
+    # A copy: training goes on updating the optimizer's tensors in place.
+    return next(iter(optimizer_state["state"].values()))["exp_avg"].numpy().copy()
+
+
+def _trainer(root, max_steps, save_steps=None, **state_kwargs):
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    args = transformers.TrainingArguments(
+        output_dir=root, use_cpu=True, ddp_backend="gloo" if world > 1 else None, report_to=[], max_steps=max_steps,
+        per_device_train_batch_size=BATCH, learning_rate=3e-3, lr_scheduler_type="constant", warmup_steps=0,
+        optim="adamw_torch", save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        logging_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0)
+    trainer = transformers.Trainer(model=_Model(), args=args,
+                                   train_dataset=_Data(BATCH * STEPS_PER_EPOCH * world))
+    return trainer, gt.share(trainer, **state_kwargs)
+
+
+def test_the_callback_needs_the_trainer_and_sharing_options(tmp_path):
+    with pytest.raises(TypeError, match="expected the transformers.Trainer"):
+        gt.GradshareCallback(None)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    trainer = transformers.Trainer(model=_Model(), args=args)
+    with pytest.raises(TypeError, match="bucket_cap not ThresholdState options"):
+        gt.share(trainer, bucket_cap=1)
+    cb = gt.share(trainer, link=None)
+    assert cb in trainer.callback_handler.callbacks and cb.state is None   # built when training begins
+
+
+def test_one_process_trains_without_sharing(tmp_path):
+    trainer, cb = _trainer(str(tmp_path), 2)
+    trainer.train()
+    assert cb.state is None and not np.array_equal(flat(trainer.model.net), flat(net()))
+
+
+def test_resuming_with_another_number_of_processes_is_refused(tmp_path):
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    cb = gt.GradshareCallback(transformers.Trainer(model=_Model(), args=args))
+    with pytest.raises(ValueError, match="state of 2 ranks, this run has 3"):
+        cb._restore({"world_size": 2, "step": 1, "ranks": [b"", b""]}, 3, 0)
+
+
+def _train(root):
+    warnings.simplefilter("ignore")
+    calls = []
+    hook = gt.threshold_hook
+
+    def counted(state, bucket):
+        calls.append(bucket.index())
+        return hook(state, bucket)
+
+    gt.threshold_hook = counted   # in this worker only: the callback registers this name
+    trainer, cb = _trainer(root, 3 * STEPS_PER_EPOCH)
+    trainer.train()
+    verify_replicas(trainer.model.net)
+    st = cb.state
+    return {"mode": st.mode, "iteration": st.iteration, "formats": dict(st.stats.format_counts),
+            "hook_calls": len(calls), "params": flat(trainer.model.net)}
+
+
+@pytest.mark.slow
+def test_one_line_trains_in_updates_mode_with_identical_replicas(tmp_path):
+    res = run_local(_train, 2, (str(tmp_path),), timeout=150)
+    steps = 3 * STEPS_PER_EPOCH
+    for r in res:
+        assert r["mode"] == "updates"
+        assert r["hook_calls"] >= steps                   # DDP called gradshare's hook at every backward
+        assert r["iteration"] == steps                    # and every optimizer step was shared
+        # The link-aware default starts with all-reduce steps, then times compressed ones: both ran.
+        compressed = sum(n for f, n in r["formats"].items() if f not in ("allreduce", "skipped"))
+        assert r["formats"]["allreduce"] > 0 and compressed > 0, r["formats"]
+        assert np.array_equal(r["params"], res[0]["params"])
+    assert not np.array_equal(res[0]["params"], flat(net()))
+
+
+def _resume(root, at, steps):
+    warnings.simplefilter("ignore")
+    # link=None: the link-aware choice times steps, so two runs could take different paths.
+    first, cb = _trainer(root, steps, save_steps=at, link=None)
+    first.train()
+    ckpt = os.path.join(root, f"checkpoint-{at}")
+    saved = torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True)   # the Trainer's own load
+    entries = saved["param_groups"][0][gt.CHECKPOINT_KEY]
+    mine = [torch.load(io.BytesIO(b), weights_only=True) for b in entries["ranks"]]
+    dist.barrier()               # both ranks have read the checkpoint before the second run resumes from it
+    second, cb2 = _trainer(root, steps, link=None)
+    start = _StartState(cb2)
+    second.add_callback(start)   # after gradshare's callback: sees what it restored
+    second.train(resume_from_checkpoint=ckpt)
+    verify_replicas(second.model.net)
+    return {"rank": dist.get_rank(), "world_size": entries["world_size"], "saved_step": entries["step"],
+            "saved": [_residual(e["sharing"]) for e in mine], "moments": [_first_moment(e["optimizer"]) for e in mine],
+            "start": (start.residual, start.moment, start.sharing_step),
+            "full": (flat(first.model.net), _residual(cb.state.state_dict()), cb.state.iteration),
+            "resumed": (flat(second.model.net), _residual(cb2.state.state_dict()), cb2.state.iteration)}
+
+
+@pytest.mark.parametrize("at", [STEPS_PER_EPOCH, STEPS_PER_EPOCH + 2], ids=["epoch_end", "mid_epoch"])
+@pytest.mark.slow
+def test_resume_from_checkpoint_continues_bit_for_bit(tmp_path, at):
+    steps = 2 * STEPS_PER_EPOCH
+    res = run_local(_resume, 2, (str(tmp_path), at, steps), timeout=150)
+    saved = res[0]["saved"]
+    assert res[0]["world_size"] == 2 and res[0]["saved_step"] == at
+    # What makes per-rank entries necessary: residuals and AdamW moments differ between the ranks.
+    assert not np.array_equal(saved[0], saved[1]) and np.abs(saved[1]).sum() > 0
+    assert not np.array_equal(*res[0]["moments"])
+    for r in res:
+        residual, moment, sharing_step = r["start"]
+        assert np.array_equal(residual, saved[r["rank"]])            # each rank restored its own residuals
+        assert np.array_equal(moment, res[0]["moments"][r["rank"]])  # and its own optimizer state
+        assert sharing_step == at
+        params, residual, iteration = r["full"]
+        assert iteration == r["resumed"][2] == steps
+        assert np.array_equal(r["resumed"][0], params)             # bitwise, on every rank
+        assert np.array_equal(r["resumed"][1], residual)
+        assert np.array_equal(params, res[0]["full"][0])
