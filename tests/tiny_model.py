@@ -53,3 +53,20 @@ def scaled_steps(model, net, opt, steps=6, bad_at=None, enabled=True):
         scaler.update()
         scales.append(scaler.get_scale())
     return flat(model), scales
+
+
+def check_one_line_run(results, steps):
+    """What a framework integration's default run must show on every rank (a list of per-rank dicts with mode,
+    iteration, formats, hook_calls, params): updates mode, the hook called at every backward and every step
+    shared, both link-aware paths taken (all-reduce steps first, then timed compressed ones; gradshare.link),
+    identical replicas, and parameters that moved."""
+    import numpy as np
+
+    for r in results:
+        assert r["mode"] == "updates"
+        assert r["hook_calls"] >= steps, r["hook_calls"]
+        assert r["iteration"] == steps, r["iteration"]
+        compressed = sum(n for f, n in r["formats"].items() if f not in ("allreduce", "skipped"))
+        assert r["formats"]["allreduce"] > 0 and compressed > 0, r["formats"]
+        assert np.array_equal(r["params"], results[0]["params"])
+    assert not np.array_equal(results[0]["params"], flat(net()))

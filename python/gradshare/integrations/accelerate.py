@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradshare.checkpoint import load, write_atomic
 from gradshare.hooks import ThresholdState, threshold_hook
+from gradshare.integrations.per_rank import check_world_size
 
 __all__ = ["share", "state_file", "read_state"]
 
@@ -53,9 +54,7 @@ def read_state(path: str, world_size: int) -> Dict[str, Any]:
     """One rank's entry of a ``save_state`` folder (``{"sharing": ..., "optimizer": ...}``), checked to come from a
     run of ``world_size`` processes."""
     saved = load(path)
-    if saved.world_size != world_size:
-        raise ValueError(f"{path}: gradshare state saved by {saved.world_size} processes, this run has {world_size}: "
-                         f"residuals and optimizer states are per rank, so load with {saved.world_size} processes")
+    check_world_size(saved.world_size, world_size, path)
     return saved.ranks[0]
 
 

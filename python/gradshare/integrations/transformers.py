@@ -28,7 +28,6 @@ without the entry resumes with a warning, every rank from process 0's optimizer 
 Limits: DDP only (not FSDP or DeepSpeed, which keep their own communication); ``save_only_model=True``
 checkpoints hold no optimizer state, hence no gradshare state.
 """
-import inspect
 import io
 import warnings
 from typing import Any, Dict, Optional
@@ -39,11 +38,11 @@ import transformers
 from torch.nn.parallel import DistributedDataParallel
 
 from gradshare.hooks import ThresholdState, threshold_hook
+from gradshare.integrations.per_rank import STATE_OPTIONS, check_world_size, to_cpu
 
 __all__ = ["GradshareCallback", "share", "CHECKPOINT_KEY"]
 
 CHECKPOINT_KEY = "gradshare"
-_STATE_ARGS = frozenset(inspect.signature(ThresholdState).parameters) - {"process_group", "optimizer"}
 
 
 def _blob(value: Any) -> bytes:
@@ -60,10 +59,10 @@ class GradshareCallback(transformers.TrainerCallback):
         if not isinstance(trainer, transformers.Trainer):
             raise TypeError(f"GradshareCallback: expected the transformers.Trainer to train, got "
                             f"{type(trainer).__name__}")
-        unknown = sorted(set(state_kwargs) - _STATE_ARGS)
+        unknown = sorted(set(state_kwargs) - STATE_OPTIONS)
         if unknown:
             raise TypeError(f"GradshareCallback: {', '.join(unknown)} not ThresholdState options "
-                            f"(these are: {', '.join(sorted(_STATE_ARGS))})")
+                            f"(these are: {', '.join(sorted(STATE_OPTIONS))})")
         self.trainer = trainer
         self.state_kwargs = state_kwargs
         self.state: Optional[ThresholdState] = None
@@ -101,10 +100,7 @@ class GradshareCallback(transformers.TrainerCallback):
                           f"optimizer state and sharing starts with zero residuals", stacklevel=2)
 
     def _restore(self, saved: Dict[str, Any], world: int, rank: int) -> None:
-        if int(saved["world_size"]) != world:
-            raise ValueError(f"the checkpoint holds gradshare state of {saved['world_size']} ranks, this run has "
-                             f"{world}: residuals and optimizer states are per rank, so resume with "
-                             f"{saved['world_size']} processes")
+        check_world_size(saved["world_size"], world)
         assert self.state is not None and self._optimizer is not None   # on_train_begin built them
         mine = torch.load(io.BytesIO(saved["ranks"][rank]), map_location="cpu", weights_only=True)
         self._optimizer.load_state_dict(mine["optimizer"])    # over process 0's, which the Trainer loaded
@@ -127,7 +123,7 @@ class GradshareCallback(transformers.TrainerCallback):
         self._gathering = True
         try:
             mine = _blob({"sharing": self.state.state_dict(),
-                          "optimizer": _to_cpu(self._optimizer.state_dict())})
+                          "optimizer": to_cpu(self._optimizer.state_dict())})
         finally:
             self._gathering = False
         world = dist.get_world_size()
@@ -150,17 +146,6 @@ class GradshareCallback(transformers.TrainerCallback):
             return None
         state_dict["param_groups"][0][CHECKPOINT_KEY] = payload   # param_groups are fresh dicts: training's own
         return state_dict                                          # groups are left as they are
-
-
-def _to_cpu(value: Any) -> Any:
-    # On CPU, so that no process unpickles another's tensors onto its own GPU.
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
 
 
 def share(trainer: "transformers.Trainer", **state_kwargs: Any) -> GradshareCallback:

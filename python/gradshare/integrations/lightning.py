@@ -3,8 +3,8 @@
 Use it for a LightningModule trained with ``strategy="ddp"`` when exchanging gradients is what limits
 the step (links between nodes, shared or slow networks). One line of the training script changes::
 
-    import gradshare.lightning
-    trainer = L.Trainer(strategy=gradshare.lightning.GradshareStrategy(), ...)
+    import gradshare.integrations.lightning
+    trainer = L.Trainer(strategy=gradshare.integrations.lightning.GradshareStrategy(), ...)
 
 The strategy registers :func:`gradshare.threshold_hook` on CPU (gloo) and GPU (NCCL) alike, after
 Lightning has built the optimizer and before the first forward, with ``ThresholdState(optimizer=...)``:
@@ -28,24 +28,22 @@ processes. Weights-only checkpoints leave it out.
 Limits: one optimizer (``configure_optimizers`` returning several raises ValueError: DDP's hook is one per
 model), and not LBFGS, whose step evaluates the closure several times.
 """
-import inspect
 from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from gradshare.checkpoint import plain
 from gradshare.hooks import ThresholdState, threshold_hook
+from gradshare.integrations.per_rank import STATE_OPTIONS, check_world_size, to_cpu
 
 __all__ = ["GradshareStrategy", "CHECKPOINT_KEY"]
 
 CHECKPOINT_KEY = "gradshare"
-_STATE_ARGS = frozenset(inspect.signature(ThresholdState).parameters) - {"process_group", "optimizer"}
 _HOOK_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 
 
@@ -69,7 +67,7 @@ class GradshareStrategy(DDPStrategy):
         if given:
             raise TypeError(f"GradshareStrategy registers gradshare's threshold_hook itself; it does not take "
                             f"{', '.join(given)} (use DDPStrategy for another hook)")
-        self.state_kwargs: Dict[str, Any] = {k: kwargs.pop(k) for k in list(kwargs) if k in _STATE_ARGS}
+        self.state_kwargs: Dict[str, Any] = {k: kwargs.pop(k) for k in list(kwargs) if k in STATE_OPTIONS}
         super().__init__(**kwargs)
         self.state: Optional[ThresholdState] = None
 
@@ -93,9 +91,8 @@ class GradshareStrategy(DDPStrategy):
         # Every rank runs this (Trainer.save_checkpoint) with its own dump; rank 0 writes: gather to rank 0.
         if self.state is not None and "optimizer_states" in checkpoint:
             # On CPU, so that rank 0 does not unpickle the other ranks' tensors onto their GPUs.
-            mine = plain(move_data_to_device({"sharing": self.state.state_dict(),
-                                              "optimizer": checkpoint["optimizer_states"][0]}, "cpu"),
-                         "gradshare sharing state")
+            mine = plain(to_cpu({"sharing": self.state.state_dict(),
+                                 "optimizer": checkpoint["optimizer_states"][0]}), "gradshare sharing state")
             world = dist.get_world_size()
             ranks = [None] * world if dist.get_rank() == 0 else None
             dist.gather_object(mine, ranks, dst=0)
@@ -115,11 +112,7 @@ class GradshareStrategy(DDPStrategy):
                                "starts with zero residuals")
             super().load_optimizer_state_dict(checkpoint)
             return
-        if int(saved["world_size"]) != self.world_size:
-            raise ValueError(f"the checkpoint holds gradshare state of {saved['world_size']} ranks, this run has "
-                             f"{self.world_size}: residuals and optimizer states are per rank, so resume with "
-                             f"{saved['world_size']} processes (or delete checkpoint['{CHECKPOINT_KEY}'] to start "
-                             f"every rank from rank 0's optimizer state with zero residuals)")
+        check_world_size(saved["world_size"], self.world_size)
         mine = saved["ranks"][self.global_rank]
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": [mine["optimizer"]]})
         self.state.load_state_dict(mine["sharing"])
