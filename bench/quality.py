@@ -21,7 +21,9 @@ link-aware, so on this loopback link mostly DDP's all-reduce; gradshare.link),
 ``gradshare_1e-2`` / ``gradshare_1e-3`` (forced densities, ``compression=TargetSparsity(d)``), and for
 the record of how the defaults were chosen: ``gradshare_ternary`` / ``gradshare_topk`` (the two codecs on
 every workload), ``gradshare_gradients`` (the hook without ``optimizer=``: gradients shared),
-``gradshare_strom`` (DL4J's +-tau with an Adaptive threshold, gradients shared: gradshare's former default)
+``gradshare_strom`` (DL4J's +-tau with an Adaptive threshold, gradients shared: gradshare's former default),
+``gradshare_own_moment`` (the defaults with each rank's Adam step left as its own, not rescaled to the global
+batch's second moment: gradshare.second_moment)
 and ``single`` (one process alone, same batch per step: what sharing must beat). Any contender with
 ``@bf16`` appended trains under CPU bf16 autocast, with ``@fp16`` under fp16 autocast and a
 torch.amp.GradScaler (``scaler.step`` on the optimizer, as in a user's AMP script).
@@ -49,7 +51,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 CONTENDERS = ("ddp", "powersgd", "gradshare", "gradshare_auto", "gradshare_1e-2", "gradshare_1e-3", "gradshare_ternary",
-              "gradshare_topk", "gradshare_gradients", "gradshare_strom", "single",
+              "gradshare_topk", "gradshare_gradients", "gradshare_strom", "gradshare_own_moment", "single",
               "avg_h5", "avg_h20", "diloco_h20", "diloco_h50", "diloco_h20_m0", "sparse_h20", "sparse_h50")
 LOCAL_STEPS = {
     "avg_h5": "dict(frequency=5)",
@@ -162,6 +164,8 @@ def rank_main(cfg: Dict) -> Dict:
             kwargs["compression"] = gradshare.Ternary()
         elif name == "gradshare_topk":
             kwargs["compression"] = gradshare.TopK()
+        elif name == "gradshare_own_moment":
+            kwargs["link"] = None
         elif name == "gradshare_gradients":
             kwargs = {}
         elif name == "gradshare_strom":
@@ -169,6 +173,8 @@ def rank_main(cfg: Dict) -> Dict:
         elif name.startswith("gs:"):       # exploration: gs:EXPR (EXPR a ThresholdState keyword dict over gradshare's names)
             kwargs = dict(eval(name[3:], dict(vars(gradshare), opt=opt)))
         state = gradshare.ThresholdState(**kwargs)
+        if name == "gradshare_own_moment":
+            state.sharing.global_second_moment = False
         net.register_comm_hook(state, gradshare.threshold_hook)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=wl.steps)
     losses, t0 = [], time.perf_counter()

@@ -24,19 +24,24 @@ pseudo-gradient) through gradshare's sharing core (gradshare.sharing), with erro
   change, at a few bytes an entry; the mean of what was sent is applied (``outer_optimizer=None``: a step of
   exactly the mean change) or handed to the outer optimizer.
 
+Adam and AdamW: each inner step is rescaled to the second moment of the global batch (W ranks' batches),
+estimated from the rank's own moments (gradshare.second_moment), and a round that averages optimizer state
+averages each rank's estimate of the global batch's second moment, not its own: averaging W ranks' steps
+then moves the model as much as one Adam on the global batch would.
+
 Floating buffers (BatchNorm statistics) are averaged densely at each round in every mode. With one rank
 nothing is sent; an outer optimizer still applies the rank's own change, so a run means the same on 1 or
 many ranks.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradshare import ops
+from gradshare import ops, second_moment
 from gradshare.compression import Dense
 from gradshare.costmodel import ring_allreduce_bytes
 from gradshare.sharing import Sharing
@@ -123,12 +128,26 @@ class ParameterAveraging(WrappedOptimizer):
             self.sharing.begin_updates()
             self._round_open = True
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        self._to_global_batch()
         self.step_count += 1
         self.dense_bytes += ring_allreduce_bytes(self.world_size, self._param_count)
         self.last_averaged = self.due(self.step_count)
         if self.last_averaged:
             self.average()
         return loss
+
+    @torch.no_grad()
+    def _to_global_batch(self) -> None:
+        """The inner step just taken made the step an Adam on the global batch would take (module docstring)."""
+        world = self.world_size
+        if world <= 1 or not second_moment.applies(self.optimizer):
+            return
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                st = self.optimizer.state.get(p)
+                excess = second_moment.step_excess(p, st, group, world) if st else None
+                if excess is not None:
+                    p.sub_(excess.to(p.dtype))
 
     def due(self, step: int) -> bool:
         """Whether an averaging round follows optimizer step number ``step`` (1-based)."""
@@ -143,17 +162,17 @@ class ParameterAveraging(WrappedOptimizer):
 
     def tensors(self) -> List[torch.Tensor]:
         """What a round averages, in a fixed order: parameters, floating buffers, optimizer state."""
-        out = [p.data for p in self.model.parameters()]
-        out += [b for b in self.model.buffers() if b.is_floating_point()]
+        return [dst for _, dst in self._averaged()]
+
+    def _averaged(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """(what this rank contributes, where the mean goes) for each tensor of :meth:`tensors`: the tensor
+        itself, except Adam's exp_avg_sq, which goes in as this rank's estimate of the global batch's."""
+        out = [(p.data, p.data) for p in self.model.parameters()]
+        out += [(b, b) for b in self.model.buffers() if b.is_floating_point()]
         if self.average_optimizer_state:
-            for group in self.optimizer.param_groups:
-                for p in group["params"]:
-                    st = self.optimizer.state.get(p, {})
-                    for key in sorted(st):
-                        v = st[key]
-                        # Per-element state only: 0-dim tensors are counters such as Adam's "step".
-                        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0:
-                            out.append(v)
+            # Per-element state only: 0-dim tensors are counters such as Adam's "step".
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            out += second_moment.averaged_state(self.optimizer, params, self.world_size, per_element=False)
         return out
 
     def _flatten(self, ts: List[torch.Tensor]) -> torch.Tensor:
@@ -189,16 +208,17 @@ class ParameterAveraging(WrappedOptimizer):
         self.rounds += 1
         if world <= 1:
             return
-        self._average_dense(self.tensors(), world)
+        self._average_dense(self._averaged(), world)
 
-    def _average_dense(self, ts: List[torch.Tensor], world: int) -> None:
-        """``ts`` replaced by their mean over the group: one all-reduce of one flat float32 buffer."""
-        if not ts:
+    def _average_dense(self, pairs: List[Tuple[torch.Tensor, torch.Tensor]], world: int) -> None:
+        """For each (source, destination): the destination replaced by the mean of the ranks' sources, by one
+        all-reduce of one flat float32 buffer."""
+        if not pairs:
             return
-        flat = self._flatten(ts)
+        flat = self._flatten([src for src, _ in pairs])
         dist.all_reduce(flat, group=self.process_group)
         ops.average([flat], weights=[1.0 / world], out=flat)
-        self._unflatten(flat, ts)
+        self._unflatten(flat, [dst for _, dst in pairs])
         self.bytes_sent += ring_allreduce_bytes(world, flat.numel())
 
     @torch.no_grad()
@@ -218,7 +238,7 @@ class ParameterAveraging(WrappedOptimizer):
             before = sh.stats.bytes_sent
             sh.share_updates(outer=self.outer)
             self.bytes_sent += sh.stats.bytes_sent - before
-            self._average_dense([b for b in self.model.buffers() if b.is_floating_point()], world)
+            self._average_dense([(b, b) for b in self.model.buffers() if b.is_floating_point()], world)
         self.rounds += 1
         self._round_open = False
 

@@ -52,7 +52,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from gradshare import comm
+from gradshare import comm, second_moment
 from gradshare.comm import ExchangeResult, NonFiniteStepError, exchange_async, zero_sent
 from gradshare.compression import Compression, as_compression, for_optimizer
 from gradshare.costmodel import ring_allreduce_bytes
@@ -233,6 +233,10 @@ class Sharing:
         if not 0.0 < float(residual_decay) <= 1.0:
             raise ValueError(f"residual_decay: expected a value in (0, 1], got {residual_decay}")
         self.residual_decay = float(residual_decay)
+        self.optimizer = optimizer
+        # Sharing an Adam's updates: each rank's step rescaled to the global batch's second moment
+        # (gradshare.second_moment); the optimizer's state is not touched.
+        self.global_second_moment = mode == "updates" and second_moment.applies(optimizer)
         chosen = as_compression(compression, clipping)
         self.compression = chosen or for_optimizer(optimizer)
         self.process_group = process_group
@@ -291,6 +295,7 @@ class Sharing:
         return {"gradshare version": __version__, "world size": self.world_size, "mode": self.mode,
                 "compression": b.compression.config(), "reduce": self.reduce, "nonfinite": self.nonfinite,
                 "fallback": self.fallback, "momentum": self.momentum, "residual decay": self.residual_decay,
+                "second moment": "global batch" if self.global_second_moment else "own",
                 "link": None if self.link is None else self.link.config(), "bucket": b.index,
                 "bucket layout": [f"{tuple(p.shape)} {str(p.dtype).replace('torch.', '')}" for p in b.params]}
 
@@ -446,12 +451,15 @@ class Sharing:
         ``share_grads``: this rank's gradients are not finite and its optimizer did not step; it shares them
         instead of a change, so that the exchange stops every rank (NonFiniteStepError, naming the element)."""
         items = []
+        groups = second_moment.groups_of(self.optimizer) if self.global_second_moment and not share_grads else None
         for b in self.buckets:
             if share_grads:
                 delta = b.gather_grads(b.flat)
             else:
                 delta = b.gather_params(b.flat)
                 torch.sub(b.snapshot, delta, out=delta)   # before - after: this rank's update
+                if groups is not None:
+                    self._to_global_batch(b, delta, groups)
             items.append((b, delta, delta))
         try:
             results = self.run(items)
@@ -470,6 +478,17 @@ class Sharing:
                 b.set_params(b.snapshot)
         self.link_step_ended()
         return ok
+
+    @torch.no_grad()
+    def _to_global_batch(self, b: Bucket, delta: torch.Tensor, groups: Dict[int, Dict[str, Any]]) -> None:
+        """This rank's change in ``delta`` (before - after) made the step an Adam on the global batch would
+        take (gradshare.second_moment)."""
+        world = self.world_size
+        for p, view in b.views(delta):
+            st = self.optimizer.state.get(p)
+            excess = second_moment.step_excess(p, st, groups[id(p)], world) if st else None
+            if excess is not None:
+                view.add_(excess)
 
     @torch.no_grad()
     def apply_outer(self, outer: torch.optim.Optimizer) -> None:
@@ -556,7 +575,8 @@ class Sharing:
         """Before the optimizer steps on an all-reduced gradient: the same optimizer state and parameters on
         every rank. After compressed steps each rank's optimizer state is its own and the residuals hold
         what was not sent yet; one all-reduce per bucket applies the mean residual to the parameters and
-        averages the state tensors shaped like a parameter (momenta, Adam's moments). Nothing is sent
+        averages the state tensors shaped like a parameter (momenta, Adam's moments; Adam's second moment as
+        each rank's estimate of the global batch's, gradshare.second_moment). Nothing is sent
         when the states are known equal already, or empty on every rank (a fresh start: one 8-byte all-reduce
         says so)."""
         if self._consistent:
@@ -568,15 +588,15 @@ class Sharing:
                 return
         world = self.world_size
         for b in self.buckets:
-            states = [t for p in b.params for t in optimizer.state.get(p, {}).values()
-                      if torch.is_tensor(t) and t.is_floating_point() and t.shape == p.shape]
-            flat = torch.cat([b.residual] + [t.detach().reshape(-1).float() for t in states])
+            # Adam's exp_avg_sq goes in as each rank's estimate of the global batch's (gradshare.second_moment)
+            states = list(second_moment.averaged_state(optimizer, b.params, world))
+            flat = torch.cat([b.residual] + [src.detach().reshape(-1).float() for src, _ in states])
             dist.all_reduce(flat.div_(world), group=self.process_group)
             b.gather_params(b.flat).sub_(flat[:b.n])
             b.set_params(b.flat)
             b.residual.zero_()
             off = b.n
-            for t in states:
+            for _, t in states:
                 t.copy_(flat[off:off + t.numel()].view_as(t))
                 off += t.numel()
             self._sync_bytes += ring_allreduce_bytes(world, flat.numel())

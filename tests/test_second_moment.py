@@ -1,0 +1,145 @@
+"""Adam's steps rescaled to the global batch's second moment (gradshare.second_moment): the formula against a
+float64 reference, the cases that change nothing, and, with 2 ranks, that averaging the ranks' rescaled AdamW
+steps tracks an Adam on the global batch (what DDP runs) much closer than averaging their own steps."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gradshare import second_moment
+from gradshare.workers import run_local
+
+
+def _adam(cls=torch.optim.AdamW, steps=3, amsgrad=False, **kw):
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64))
+    opt = cls([p], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, amsgrad=amsgrad, **kw)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        p.grad = torch.randn(64, generator=g) + 0.5
+        opt.step()
+    return p, opt
+
+
+def _reference(opt, p, world):
+    st, group = opt.state[p], opt.param_groups[0]
+    t = float(st["step"])
+    b1, b2 = group["betas"]
+    m = st["exp_avg"].double() / (1 - b1 ** t)
+    v = (st["max_exp_avg_sq"] if group["amsgrad"] else st["exp_avg_sq"]).double() / (1 - b2 ** t)
+    vg = m * m + (v - m * m).clamp_min(0) / world
+    lr, eps = group["lr"], group["eps"]
+    return lr * m * (1 / (vg.sqrt() + eps) - 1 / (v.sqrt() + eps)), vg * (1 - b2 ** t)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("world", [2, 8])
+def test_step_excess_matches_float64_reference(cls, amsgrad, world):
+    p, opt = _adam(cls, amsgrad=amsgrad)
+    got = second_moment.step_excess(p, opt.state[p], opt.param_groups[0], world)
+    want, _ = _reference(opt, p, world)
+    assert got.shape == p.shape and got.dtype == torch.float32
+    np.testing.assert_allclose(got.double().numpy(), want.numpy(), rtol=1e-5, atol=1e-9)
+    # the global batch's step is never smaller: it divides by a second moment no larger than the rank's own
+    assert bool(((got * opt.state[p]["exp_avg"]) >= 0).all())
+    assert float(got.abs().max()) > 0
+
+
+def test_global_exp_avg_sq_matches_reference_and_keeps_state():
+    p, opt = _adam()
+    before = {k: v.clone() for k, v in opt.state[p].items()}
+    got = second_moment.global_exp_avg_sq(opt.state[p], opt.param_groups[0], 2)
+    _, want = _reference(opt, p, 2)
+    np.testing.assert_allclose(got.double().numpy(), want.numpy(), rtol=1e-5)
+    assert bool((got <= opt.state[p]["exp_avg_sq"] * (1 + 1e-6)).all())
+    for k, v in before.items():
+        assert torch.equal(opt.state[p][k], v), k     # the optimizer's state is read, never written
+
+
+def test_nothing_to_correct():
+    p, opt = _adam()
+    st, g = opt.state[p], opt.param_groups[0]
+    assert second_moment.step_excess(p, st, g, 1) is None                 # one rank: its own batch is the batch
+    assert second_moment.global_exp_avg_sq(st, g, 1) is None
+    p.grad = None                                                          # not stepped by the optimizer
+    assert second_moment.step_excess(p, st, g, 2) is None
+    q = torch.nn.Parameter(torch.zeros(3))
+    q.grad = torch.zeros(3)
+    assert second_moment.step_excess(q, {}, g, 2) is None                  # no state yet
+    assert not second_moment.applies(torch.optim.SGD([q], lr=0.1, momentum=0.9))
+    assert not second_moment.applies(None)
+    assert second_moment.applies(torch.optim.Adam([q])) and second_moment.applies(torch.optim.AdamW([q]))
+
+
+def test_averaged_state_substitutes_only_exp_avg_sq():
+    p, opt = _adam()
+    pairs = list(second_moment.averaged_state(opt, [p], 2))
+    keys = {id(t): k for k, t in opt.state[p].items()}
+    assert [keys[id(dst)] for _, dst in pairs] == ["exp_avg", "exp_avg_sq"]
+    assert pairs[0][0] is pairs[0][1]
+    assert pairs[1][0] is not pairs[1][1] and pairs[1][0].shape == p.shape
+    assert all(src is dst for src, dst in second_moment.averaged_state(opt, [p], 1))
+
+
+# ------------------------------------------------------------------ 2 ranks against Adam on the global batch
+STEPS, BATCH, DIM = 150, 8, 16
+
+
+def _data(step, rank, world):
+    """A noisy linear regression: the gradient of each coordinate is dominated by noise."""
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    x = torch.randn(BATCH, DIM, generator=g)
+    w_true = torch.linspace(-1, 1, DIM)
+    return x, x @ w_true + 3.0 * torch.randn(BATCH, generator=g)
+
+
+def _train(how):
+    """Final weights: ``how`` = "global" (one process, Adam on all ranks' batches: DDP's step), or, with
+    2 ranks, "shared" / "shared_own" (SharedOptimizer sharing AdamW's updates uncompressed, with and without
+    the rescaling) or "local" / "local_own" (ParameterAveraging, 4 local steps a round)."""
+    import torch.distributed as dist
+
+    import gradshare
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    w = torch.nn.Parameter(torch.zeros(DIM))
+    inner = torch.optim.AdamW([w], lr=0.02, weight_decay=0.01)
+    opt = inner
+    if how.startswith("shared"):
+        opt = gradshare.SharedOptimizer(inner, compression=gradshare.Dense(), link=None)
+        opt.sharing.global_second_moment = how == "shared"
+    elif how.startswith("local"):
+        model = torch.nn.Module()
+        model.w = w
+        opt = gradshare.ParameterAveraging(model, inner, frequency=4, compression=gradshare.Dense())
+        if how == "local_own":
+            opt._to_global_batch = lambda: None
+    for step in range(STEPS):
+        parts = [_data(step, r, 2) for r in range(2)] if how == "global" else [_data(step, rank, world)]
+        x, y = torch.cat([a for a, _ in parts]), torch.cat([b for _, b in parts])
+        opt.zero_grad()
+        ((x @ w - y) ** 2).mean().backward()
+        opt.step()
+    return w.detach().numpy().copy()
+
+
+def _rank(how):
+    return _train(how)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("front", ["shared", "local"])
+def test_ranks_adam_steps_track_the_global_batch(front):
+    target = _train("global")
+    fixed = run_local(_rank, 2, (front,), threads=1, timeout=300)
+    own = run_local(_rank, 2, (front + "_own",), threads=1, timeout=300)
+    assert np.array_equal(fixed[0], fixed[1]) or front == "local"
+    d_fixed = float(np.linalg.norm(fixed[0] - target))
+    d_own = float(np.linalg.norm(own[0] - target))
+    start = float(np.linalg.norm(target))
+    assert math.isfinite(d_fixed) and d_own > 0.03 * start, (d_own, start)
+    # averaging the ranks' own steps lags the global batch's Adam; the rescaled steps follow it closely
+    assert d_fixed < 0.5 * d_own, (d_fixed, d_own)
