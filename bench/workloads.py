@@ -11,6 +11,7 @@ judged by.
   Python's own standard library sources (the text ships with every Python), AdamW lr 3e-3, weight decay
   0.01, batch 16 windows per rank; judged by validation loss on held-out modules.
 - ``char_lm_1200``: the same for 1200 steps (local steps at H=20 get 60 rounds instead of 15).
+- ``mnist_cnn_adam``: the MNIST CNN trained with Adam (lr 1e-3), as many users train small conv nets.
 """
 from __future__ import annotations
 
@@ -130,6 +131,8 @@ WORKLOADS: Dict[str, Workload] = {
     "bn_cnn": Workload("bn_cnn", BNNet, _sgd(weight_decay=5e-4), 32, 938, "accuracy"),
     "char_lm": Workload("char_lm", CharLM, lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.01), 16, 300,
                         "loss"),
+    "mnist_cnn_adam": Workload("mnist_cnn_adam", _small_cnn, lambda ps: torch.optim.Adam(ps, lr=1e-3), 32, 938,
+                               "accuracy"),
     # the same, four times longer: local steps get 60 rounds at H=20 instead of 15
     "char_lm_1200": Workload("char_lm_1200", CharLM, lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.01),
                              16, 1200, "loss"),
