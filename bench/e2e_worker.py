@@ -37,6 +37,8 @@ CONTENDERS: Dict[str, str] = {
     "gradshare_auto": "DDP + gradshare threshold_hook with ThresholdState(optimizer=opt): the defaults (link-aware: "
                       "DDP's all-reduce where the link makes it faster, else the SGD's updates shared, top-k)",
     "gradshare_optimizer_auto": "gradshare SharedOptimizer(opt): the defaults (link-aware)",
+    "gradshare_compressed": "DDP + gradshare threshold_hook with ThresholdState(optimizer=opt, link=None): the defaults' "
+                            "compression at every step, whatever the link",
     "ddp_fp16": "DDP + fp16_compress_hook",
     "ddp_powersgd": "DDP + powerSGD_hook (rank 2, start_powerSGD_iter = 10% of steps)",
     "torch_averaging": "local SGD + PostLocalSGDOptimizer(PeriodicModelAverager(period))",
@@ -54,6 +56,7 @@ WORKLOADS = ("mnist_cnn", "mlp")
 def missing_reason(contender: str) -> Optional[str]:
     """Why a contender cannot run in this environment (its gradshare module is absent), else None."""
     need = {"gradshare_auto": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
+            "gradshare_compressed": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
             "gradshare_optimizer_auto": ("gradshare.optim", ("SharedOptimizer",)),
             "gradshare_hook": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
             "gradshare_optimizer": ("gradshare.optim", ("SharedOptimizer",)),
@@ -156,7 +159,8 @@ def setup_contender(name: str, model: nn.Module, args, total_steps: int, timer: 
         th = Adaptive(initial=args.dgc_initial_tau, decay=args.dgc_decay, warmup_steps=args.dgc_warmup_steps)
         return th, (ResidualClipping() if args.dgc_clipping else None)
 
-    if name in ("ddp_allreduce", "ddp_fp16", "ddp_powersgd", "gradshare_auto", "gradshare_hook", "gradshare_hook_dgc"):
+    if name in ("ddp_allreduce", "ddp_fp16", "ddp_powersgd", "gradshare_auto", "gradshare_compressed", "gradshare_hook",
+                "gradshare_hook_dgc"):
         if name == "ddp_powersgd":
             # One bucket: on gloo, powerSGD_hook issues its Q allreduce from the P allreduce's callback, which
             # races with the next bucket's hook, so ranks can order collectives differently and gloo aborts
@@ -179,11 +183,11 @@ def setup_contender(name: str, model: nn.Module, args, total_steps: int, timer: 
                                      warm_start=True, random_seed=args.seed)
             ddp.register_comm_hook(state, timer.wrap(ps.powerSGD_hook))
             info.update(start_powerSGD_iter=start, matrix_approximation_rank=args.powersgd_rank)
-        elif name == "gradshare_auto":
+        elif name in ("gradshare_auto", "gradshare_compressed"):
             from gradshare.hooks import ThresholdState, threshold_hook
 
             opt = sgd(ddp.parameters())
-            state = ThresholdState(optimizer=opt)
+            state = ThresholdState(optimizer=opt) if name == "gradshare_auto" else ThresholdState(optimizer=opt, link=None)
             ddp.register_comm_hook(state, timer.wrap(threshold_hook))
             info["compression"] = repr(state.sharing.compression)
             account = lambda: {"bytes_sent": state.stats.bytes_sent, "dense_bytes": state.stats.dense_bytes,  # noqa

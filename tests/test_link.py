@@ -132,7 +132,7 @@ def test_defaults_turn_it_on_only_where_it_applies():
     assert isinstance(SharedOptimizer(opt).sharing.link, LinkAware)
     assert SharedOptimizer(opt).sharing.link.steady_from == 0                       # Ternary: no warm-up
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    assert SharedOptimizer(sgd).sharing.link.steady_from == 50                      # TopK's warm-up
+    assert SharedOptimizer(sgd).sharing.link.steady_from == TopK().warmup_steps == 100   # TopK's warm-up
     assert ThresholdState(optimizer=opt, compression=TopK()).sharing.link is None   # a chosen compression: kept
     assert ThresholdState(optimizer=opt, link=None).sharing.link is None
     assert ThresholdState().sharing.link is None                                     # gradients mode

@@ -50,7 +50,7 @@ class LinkAware:
         min_interval, max_interval: bounds on the steps between two measurements of the slower choice.
         clock: seconds, monotonic (time.perf_counter).
 
-    ``steady_from`` (set by the sharing core from the compression's warm-up, e.g. TopK's 50 steps at a
+    ``steady_from`` (set by the sharing core from the compression's warm-up, e.g. TopK's 100 steps at a
     higher density): compressed steps measured before it cost more than they will; when the all-reduce
     wins on such a measurement, compression is measured again as soon as the warm-up is over.
     """

@@ -200,11 +200,14 @@ class TargetSparsity(Threshold):
 
     Use when a fixed traffic budget per step matters more than holding tau still (it never rests).
     ``warmup_steps`` K > 0: the target at observation s < K is ``target * (warmup_density/target) **
-    (1 - s/K)`` (from warmup_density, default 1/16, down to ``target``). 0 (default): no warm-up.
+    (1 - s/K)`` (from warmup_density, default 1/16, down to ``target``); 0: no warm-up. None (default):
+    none for this threshold itself, and TopK's default warm-up where gradshare sends it as
+    ``TopK(density=target)`` (gradshare.compression.as_compression: what ``compression=TargetSparsity(d)``
+    means).
     """
 
     def __init__(self, initial: float = 1e-4, target: float = 1e-3, decay: float = 0.965936, *,
-                 warmup_steps: int = 0, warmup_density: float = BITMAP_DENSITY):
+                 warmup_steps: Optional[int] = None, warmup_density: float = BITMAP_DENSITY):
         super().__init__(initial)
         self.initial = self._tau
         self.target = _positive("target", target)
@@ -213,7 +216,8 @@ class TargetSparsity(Threshold):
         self.decay = float(decay)
         if not 0 < self.decay < 1:
             raise ValueError(f"decay: must be in (0, 1), got {decay}")
-        self.warmup_steps, self.warmup_density = _warmup_args(warmup_steps, warmup_density, self.target)
+        self.warmup_given = warmup_steps is not None
+        self.warmup_steps, self.warmup_density = _warmup_args(warmup_steps or 0, warmup_density, self.target)
 
     def target_at(self, step: int) -> float:
         """The target density used at observation ``step`` (0-based), warm-up included."""
