@@ -27,6 +27,7 @@ import math
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from typing import List, Optional
 
@@ -302,7 +303,78 @@ def markdown(rows: List[dict], a) -> str:
     return "\n".join(lines)
 
 
-def plots(rows: List[dict], outdir: str) -> List[str]:
+# accuracy_vs_time.png draws, per panel, the contenders that matter (the rest are in results.md): the
+# reference, the fastest of torch's own alternatives, the fastest gradshare contender at its defaults and the
+# fastest other gradshare contender.
+BASELINE = "ddp_allreduce"
+DEFAULT_CONTENDERS = ("gradshare", "gradshare_auto", "gradshare_optimizer_auto", "gradshare_compressed")
+
+
+def _sooner(r: dict) -> tuple:
+    """Sort key: reached the target (all seeds) sooner, then the better final accuracy."""
+    ttt = r.get("time_to_target")
+    return (ttt is None, ttt if ttt is not None else 0.0, -(r.get("final_accuracy") or 0.0))
+
+
+def contenders_that_matter(summary: List[dict]) -> List[str]:
+    """At most four contenders of one (workload, link) summary, in the table's order (see above)."""
+    ok = [r for r in summary if r["status"] == "ok"]
+    gradshare = [r for r in ok if r["contender"].startswith("gradshare")]
+    groups = ([r for r in ok if r["contender"] == BASELINE],
+              [r for r in ok if r["contender"] != BASELINE and r not in gradshare],
+              [r for r in gradshare if r["contender"] in DEFAULT_CONTENDERS],
+              [r for r in gradshare if r["contender"] not in DEFAULT_CONTENDERS])
+    chosen = {min(g, key=_sooner)["contender"] for g in groups if g}
+    return [r["contender"] for r in ok if r["contender"] in chosen]
+
+
+def _seeds(seeds) -> str:
+    seeds = sorted(set(seeds))
+    return f"seed{'s' if len(seeds) > 1 else ''} {', '.join(str(s) for s in seeds)}"
+
+
+def _link(link: str) -> str:
+    return "unshaped link" if link in ("none", "") else f"{link} link"
+
+
+def _panels(rows: List[dict]):
+    """(figure, {(workload, link): axes}, workloads, links): one row of panels per workload, one column per link."""
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    links = list(dict.fromkeys(r["link"] for r in rows))
+    fig, axes = plt.subplots(len(workloads), len(links), figsize=(5.6 * len(links), 4.4 * len(workloads)),
+                             squeeze=False)
+    return fig, {(w, link): axes[i][j] for i, w in enumerate(workloads) for j, link in enumerate(links)}
+
+
+def accuracy_panels(rows: List[dict], target: Optional[float] = None) -> List[dict]:
+    """What each panel of accuracy_vs_time.png shows, one per (workload, link) with a finished run: its title
+    (naming exactly the seeds drawn), the target, and per contender drawn its label and runs; ``not_drawn``
+    lists the other contenders that finished."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    summary = summarize(rows)
+    panels = []
+    for w, link in dict.fromkeys((r["workload"], r["link"]) for r in ok):
+        sel = [r for r in summary if (r["workload"], r["link"]) == (w, link)]
+        drawn = contenders_that_matter(sel)
+        runs = [r for r in ok if (r["workload"], r["link"]) == (w, link) and r["contender"] in drawn]
+        seeds = {r["seed"] for r in runs}
+        curves = []
+        for c in drawn:
+            mine = sorted((r for r in runs if r["contender"] == c), key=lambda r: r["seed"])
+            label = c + ("" if {r["seed"] for r in mine} == seeds else f" ({_seeds(r['seed'] for r in mine)})")
+            curves.append({"contender": c, "label": label, "runs": mine})
+        rest = [r["contender"] for r in sel if r["status"] == "ok" and r["contender"] not in drawn]
+        panels.append({"workload": w, "link": link, "title": f"{w}, {_link(link)}, {_seeds(seeds)}",
+                       "target": runs[0].get("target", target), "curves": curves, "not_drawn": rest})
+    return panels
+
+
+def plots(rows: List[dict], outdir: str, target: Optional[float] = None) -> List[str]:
+    """accuracy_vs_time.png (accuracy_panels: the contenders that matter, every seed, the target as a line) and
+    bytes_per_step.png (every contender, mean over seeds), one panel per workload and link; each title names
+    the seeds it shows."""
     try:
         import matplotlib
 
@@ -312,40 +384,56 @@ def plots(rows: List[dict], outdir: str) -> List[str]:
         print("matplotlib not installed: no plots (pip install matplotlib)", flush=True)
         return []
     ok = [r for r in rows if r["status"] == "ok"]
-    first = min((r["seed"] for r in ok), default=None)
-    ok = [r for r in ok if r["seed"] == first]          # one curve per contender: the first seed
-    groups = list(dict.fromkeys((r["workload"], r["link"]) for r in ok))
-    if not groups:
+    if not ok:
         return []
+    colors = {c: f"C{i % 10}" for i, c in enumerate(dict.fromkeys(r["contender"] for r in rows))}
     files = []
-    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.2), squeeze=False)
-    for ax, (w, link) in zip(axes[0], groups):
-        for r in ok:
-            if (r["workload"], r["link"]) == (w, link):
+
+    fig, axes = _panels(ok)
+    for ax in axes.values():
+        ax.set_visible(False)             # a workload not run under a link leaves its panel empty
+    for panel in accuracy_panels(rows, target):
+        ax = axes[panel["workload"], panel["link"]]
+        ax.set_visible(True)
+        for curve in panel["curves"]:
+            for k, r in enumerate(curve["runs"]):          # every seed, the first one labelled
                 h = r["history"]
-                ax.plot([x["time"] for x in h], [x["accuracy"] for x in h], marker=".", label=r["contender"])
-        ax.set_title(f"{w}, {link}, seed {first}")
-        ax.set_xlabel("training wall time (s)")
+                ax.plot([x["time"] for x in h], [x["accuracy"] for x in h], marker=".", lw=1.2 if k == 0 else 0.8,
+                        alpha=1.0 if k == 0 else 0.6, color=colors[curve["contender"]],
+                        label=curve["label"] if k == 0 else None)
+        goal = panel["target"]
+        if goal is not None:
+            ax.axhline(goal, color="black", ls="--", lw=0.9, label=f"target {goal:g}")
+            ax.set_ylim(max(0.0, goal - 0.25), 1.0)
+        ax.set_title(panel["title"])
+        rest = panel["not_drawn"]
+        note = textwrap.fill(f"not drawn: {', '.join(rest)} (results.md)", 80) if rest else ""
+        ax.set_xlabel("training wall time (s)" + (f"\n{note}" if note else ""), fontsize=8 if note else None)
         ax.set_ylabel("test accuracy")
-        ax.set_ylim(max(0.0, min((x["accuracy"] for r in ok for x in r["history"][1:]), default=0) - 0.05), 1.0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     files.append(os.path.join(outdir, "accuracy_vs_time.png"))
     fig.savefig(files[-1], dpi=110)
     plt.close(fig)
 
-    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.2), squeeze=False)
-    for ax, (w, link) in zip(axes[0], groups):
-        sel = [r for r in ok if (r["workload"], r["link"]) == (w, link)]
+    summary = summarize(rows)
+    fig, panels = _panels(ok)
+    for (w, link), ax in panels.items():
+        sel = [r for r in summary if (r["workload"], r["link"]) == (w, link) and r["status"] == "ok"]
+        if not sel:
+            ax.set_visible(False)
+            continue
         xs = range(len(sel))
         ax.bar([x - 0.2 for x in xs], [max(1, r["tx_bytes_per_step"]) for r in sel], 0.4, label="measured (tx)")
         ax.bar([x + 0.2 for x in xs], [max(1, r["model_bytes_per_step"] or 1) for r in sel], 0.4, label="cost model")
+        seeds = {s for r in sel for s in r["seeds"]}
         ax.set_xticks(list(xs))
-        ax.set_xticklabels([r["contender"] for r in sel], rotation=30, ha="right", fontsize=7)
+        ax.set_xticklabels([r["contender"] + ("" if set(r["seeds"]) == seeds else f" ({_seeds(r['seeds'])})")
+                            for r in sel], rotation=30, ha="right", fontsize=7)
         ax.set_yscale("log")
         ax.set_ylabel("bytes per step per worker")
-        ax.set_title(f"{w}, {link}")
+        ax.set_title(f"{w}, {_link(link)}, " + ("mean of " if len(seeds) > 1 else "") + _seeds(seeds))
         ax.legend(fontsize=7)
     fig.tight_layout()
     files.append(os.path.join(outdir, "bytes_per_step.png"))
@@ -385,7 +473,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-netns", action="store_true", help="loopback torchrun (no root); bytes not comparable")
     ap.add_argument("--out", default="bench/results/e2e")
     ap.add_argument("--report", default="", metavar="DIR",
-                    help="run nothing: rewrite DIR's results.md and plots from its results.json")
+                    help="run nothing: rewrite DIR's results.md and plots from its results.json (into --out "
+                         "when given, else DIR; results.json itself is left as it is)")
     raw = list(sys.argv[1:] if argv is None else argv)
     a = ap.parse_args(raw)
     if a.quick:
@@ -395,28 +484,33 @@ def main(argv=None) -> int:
                 setattr(a, k, v)
     a.seed_list = [int(x) for x in a.seeds.split(",") if x.strip()] or [a.seed]
     a.command = "python bench/e2e.py " + " ".join(raw)
+    written = []
     if a.report:                     # re-render the tables and plots of an earlier run from its results.json
         with open(os.path.join(a.report, "results.json")) as f:
             saved = json.load(f)
-        a = argparse.Namespace(**{**saved["args"], "out": a.report})
+        out = a.out if any(x == "--out" or x.startswith("--out=") for x in raw) else a.report
+        a = argparse.Namespace(**{**saved["args"], "out": out})
         a.seed_list = a.__dict__.get("seed_list") or [a.seed]
         rows = saved["results"]
         for r in rows:
             r.setdefault("seed", a.seed)
+        os.makedirs(a.out, exist_ok=True)
     elif not os.path.isdir(a.data_dir):
         print(f"no MNIST at {a.data_dir} (--data-dir)", file=sys.stderr)
         return 2
     else:
         rows = run_all(a)
-    with open(os.path.join(a.out, "results.json"), "w") as f:
-        json.dump({"command": a.command, "args": {k: v for k, v in vars(a).items()}, "summary": summarize(rows),
-                   "results": rows}, f, indent=1)
+        written.append(os.path.join(a.out, "results.json"))
+        with open(written[-1], "w") as f:
+            json.dump({"command": a.command, "args": {k: v for k, v in vars(a).items()}, "summary": summarize(rows),
+                       "results": rows}, f, indent=1)
     md = markdown(rows, a)
-    with open(os.path.join(a.out, "results.md"), "w") as f:
+    written.append(os.path.join(a.out, "results.md"))
+    with open(written[-1], "w") as f:
         f.write(md)
-    files = plots(rows, a.out)
+    written += plots(rows, a.out, a.target)
     print(md)
-    print("wrote", ", ".join([os.path.join(a.out, "results.json"), os.path.join(a.out, "results.md"), *files]))
+    print("wrote", ", ".join(written))
     return 0 if all(r["status"] in ("ok", "skipped") for r in rows) else 1
 
 

@@ -161,3 +161,12 @@ def exchange_once(config, ctx):
     g = torch.full((64,), 0.5)
     fut = gradshare.exchange_async(g, torch.zeros(64), 0.25)
     return {"stats": {"steps": int(fut.wait().count > 0)}}
+
+
+def reference(config):
+    """The uninterrupted run of ``train`` on ``config``: 2 local workers, no checkpoints; rank 0's result (what a
+    restarted, resumed or differently launched run must equal)."""
+    from gradshare import cluster
+    from gradshare.workers import run_local
+
+    return run_local(cluster.run, 2, (train, config), timeout=120, collective_timeout=60)[0]

@@ -14,13 +14,10 @@ import gradshare.integrations.accelerate as ga  # noqa: E402  (needs accelerate)
 from gradshare import verify_replicas  # noqa: E402
 from gradshare.checkpoint import load, write_atomic  # noqa: E402
 from gradshare.workers import run_local  # noqa: E402
-from tiny_model import batch, check_one_line_run, flat, net  # noqa: E402
+from tiny_model import (batch, check_one_line_run, count_hook_calls, first_moment, flat, net,  # noqa: E402
+                        one_line_result, residual_of)
 
 STEPS = 18
-
-
-def _residual(state_dict):
-    return torch.cat([b["residual"] for b in state_dict["sharing"]["buckets"]]).numpy()
 
 
 def test_one_process_shares_nothing():
@@ -42,7 +39,7 @@ def test_a_folder_saved_by_another_number_of_processes_is_refused(tmp_path):
         ga.read_state(path, 3)
 
 
-def _train(root, steps, save_at=None, resume=False, **state_kwargs):
+def _train(root, steps, save_at=None, resume=False, calls=None, **state_kwargs):
     """Trains net() for ``steps`` steps on rank-specific batches; save_state(root) after ``save_at`` steps, or
     (resume) load_state(root) first and continue from the step it was saved at."""
     warnings.simplefilter("ignore")
@@ -55,10 +52,8 @@ def _train(root, steps, save_at=None, resume=False, **state_kwargs):
     start = 0
     if resume:
         accelerator.load_state(root)
-        start = state.iteration
-        # A copy: training goes on updating the optimizer's tensors in place.
-        moment = next(iter(opt.state_dict()["state"].values()))["exp_avg"].numpy().copy()
-        out["start"] = (_residual(state.state_dict()), moment)
+        start = state.step_count
+        out["start"] = (residual_of(state.state_dict()), first_moment(opt.state_dict()))
     for step in range(start, steps):
         x, y = batch(rank, step)
         opt.zero_grad()
@@ -67,28 +62,12 @@ def _train(root, steps, save_at=None, resume=False, **state_kwargs):
         if step + 1 == save_at:
             accelerator.save_state(root)
     verify_replicas(model.module)
-    out.update(mode=state.mode, iteration=state.iteration, formats=dict(state.stats.format_counts),
-               params=flat(model.module), residual=_residual(state.state_dict()))
+    out.update(one_line_result(state, calls or [], model.module), residual=residual_of(state.state_dict()))
     return out
-
-
-def _count_hook_calls():
-    calls = []
-    hook = ga.threshold_hook
-
-    def counted(state, bucket):
-        calls.append(bucket.index())
-        return hook(state, bucket)
-
-    ga.threshold_hook = counted   # in this worker only: share() registers this name
-    return calls
 
 
 def _train_counted(root, steps):
-    calls = _count_hook_calls()
-    out = _train(root, steps)
-    out["hook_calls"] = len(calls)
-    return out
+    return _train(root, steps, calls=count_hook_calls(ga))     # share() registers ga.threshold_hook
 
 
 @pytest.mark.slow
@@ -104,8 +83,8 @@ def _resume(root):
     saved = load(ga.state_file(root, rank))
     dist.barrier()                   # both ranks have read the folder before the second run loads it
     resumed = _train(root, STEPS, resume=True, link=None)
-    return {"full": full, "resumed": resumed, "saved": _residual(saved.ranks[0]["sharing"]),
-            "moment": next(iter(saved.ranks[0]["optimizer"]["state"].values()))["exp_avg"].numpy(),
+    return {"full": full, "resumed": resumed, "saved": residual_of(saved.ranks[0]["sharing"]),
+            "moment": first_moment(saved.ranks[0]["optimizer"]),
             "world_size": saved.world_size, "saved_step": saved.step}
 
 
@@ -120,7 +99,7 @@ def test_load_state_continues_bit_for_bit_with_every_ranks_state(tmp_path):
         residual, moment = r["resumed"]["start"]
         assert np.array_equal(residual, r["saved"])         # each rank restored its own residuals
         assert np.array_equal(moment, r["moment"])          # and its own optimizer state, not rank 0's
-        assert r["full"]["iteration"] == r["resumed"]["iteration"] == STEPS
+        assert r["full"]["step_count"] == r["resumed"]["step_count"] == STEPS
         assert np.array_equal(r["resumed"]["params"], r["full"]["params"])    # bitwise, on every rank
         assert np.array_equal(r["resumed"]["residual"], r["full"]["residual"])
         assert np.array_equal(r["full"]["params"], res[0]["full"]["params"])

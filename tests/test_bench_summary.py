@@ -46,3 +46,47 @@ def test_failed_runs_are_reported_not_averaged_in():
             {"contender": "gs", "workload": "w", "link": "100mbit", "seed": 0, "status": "failed", "reason": "boom"}]
     s = by_contender(e2e.summarize(rows))
     assert s["gs"]["status"] == "failed" and s["gs"]["reason"] == "boom"
+
+
+def _curve(row_, times):
+    return dict(row_, history=[{"time": t, "step": 50 * i, "accuracy": 0.5 + 0.1 * i} for i, t in enumerate(times)],
+                target=0.95)
+
+
+def test_accuracy_plot_draws_the_contenders_that_matter_and_names_their_seeds():
+    rows = [_curve(row(c, seed, ttt, 0.97, 1000), [0, ttt])
+            for c, ttt in (("ddp_allreduce", 9.0), ("ddp_fp16", 4.0), ("ddp_powersgd", 6.0), ("gradshare_auto", 3.0),
+                           ("gradshare_optimizer_auto", 2.0), ("gradshare_hook_dgc", 1.0), ("gradshare_hook", 5.0))
+            for seed in (1, 2)]
+    rows.append(dict(row("ddp_fp16", 0, None, 0.0, 0), status="failed", reason="boom"))      # seed 0 failed
+    rows += [_curve(row("gradshare_hook_dgc", 0, 1.0, 0.97, 1000), [0, 1.0])]               # the only seed 0
+    (panel,) = e2e.accuracy_panels(rows)
+    drawn = [c["contender"] for c in panel["curves"]]
+    # the reference, torch's fastest alternative, the fastest gradshare default, the fastest other gradshare run
+    assert drawn == ["ddp_allreduce", "ddp_fp16", "gradshare_optimizer_auto", "gradshare_hook_dgc"]
+    assert panel["title"] == "w, 100mbit link, seeds 0, 1, 2" and panel["target"] == 0.95
+    labels = {c["contender"]: c["label"] for c in panel["curves"]}
+    assert labels["gradshare_hook_dgc"] == "gradshare_hook_dgc"                 # all three seeds
+    assert labels["ddp_allreduce"] == "ddp_allreduce (seeds 1, 2)"
+    assert sorted(panel["not_drawn"]) == ["ddp_powersgd", "gradshare_auto", "gradshare_hook"]
+    only_seed_1 = [r for r in rows if r.get("seed") == 1]
+    assert e2e.accuracy_panels(only_seed_1)[0]["title"] == "w, 100mbit link, seed 1"
+
+
+def test_report_renders_plots_without_rerunning(tmp_path):
+    pytest.importorskip("matplotlib")
+    import json
+
+    rows = [_curve(row(c, s, 2.0, 0.97, 1000), [0, 1.0, 2.0]) for c in ("ddp_allreduce", "gradshare_auto")
+            for s in (0, 1)]
+    for r in rows:
+        r["link"] = "none" if r["seed"] else "1gbit"
+    src = tmp_path / "run"
+    src.mkdir()
+    args = {"seed": 0, "seed_list": [0, 1], "command": "python bench/e2e.py", "workers": 2, "batch_size": 32,
+            "lr": 0.05, "momentum": 0.9, "epochs": 1, "train_subset": 0, "test_subset": 0, "target": 0.95}
+    (src / "results.json").write_text(json.dumps({"command": "python bench/e2e.py", "args": args, "results": rows}))
+    before = (src / "results.json").read_text()
+    assert e2e.main(["--report", str(src), "--out", str(tmp_path / "out")]) == 0
+    assert sorted(os.listdir(tmp_path / "out")) == ["accuracy_vs_time.png", "bytes_per_step.png", "results.md"]
+    assert (src / "results.json").read_text() == before and sorted(os.listdir(src)) == ["results.json"]

@@ -349,9 +349,8 @@ def _resume_point(config, ctx):
     return ctx.start_step
 
 
-def test_cluster_resume_never_runs_a_dropped_in_payload(tmp_path, monkeypatch):
+def test_cluster_resume_never_runs_a_dropped_in_payload(tmp_path, world_of_one):
     from gradshare import cluster
-    from gradshare.workers import free_port
 
     d, marker = tmp_path / "ckpt", tmp_path / "executed"
     d.mkdir()
@@ -359,9 +358,5 @@ def test_cluster_resume_never_runs_a_dropped_in_payload(tmp_path, monkeypatch):
     evil = _evil_pickle(str(marker))
     (d / "ckpt-000000030.pt").write_bytes(evil)
     (d / "ckpt-000000040.pt").write_bytes(_with_header(evil, step=40))
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
     assert cluster.run(_resume_point, None, checkpoint_dir=str(d), collective_timeout=30) == 20
     assert not marker.exists()

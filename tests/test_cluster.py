@@ -10,13 +10,13 @@ import time
 import pytest
 
 import cluster_job
+from conftest import MNIST_DIR, have_mnist
 from gradshare import checkpoint, cluster
-from gradshare.workers import free_port, run_local
+from gradshare.workers import run_local
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "cluster_job.py")
-MNIST = os.path.join(HERE, "..", "..", "shared", "data", "mnist")
-DATA = "mnist:" + MNIST if os.path.exists(os.path.join(MNIST, "t10k-labels-idx1-ubyte.gz")) else "synthetic"
+DATA = "mnist:" + MNIST_DIR if have_mnist() else "synthetic"
 # 2048 rows, global batch 32: 64 steps an epoch. The run crosses an epoch; the kill (step 75) is mid-epoch.
 FAULT_CONFIG = {"data": DATA, "steps": 100, "batch": 16, "lr": 0.05, "seed": 1}
 
@@ -49,8 +49,7 @@ def run_bounded(cmd, timeout, **kwargs):
 
 @pytest.fixture(scope="module")
 def reference():
-    """The uninterrupted run (2 local workers, no checkpoints)."""
-    return run_local(cluster.run, 2, (cluster_job.train, FAULT_CONFIG), timeout=120, collective_timeout=60)[0]
+    return cluster_job.reference(FAULT_CONFIG)
 
 
 def test_load_function_accepts_modules_and_files():
@@ -102,15 +101,11 @@ def _restore_into_fresh_model(config, ctx):
     return restored, ctx.start_step, ctx.rank_state(), model.weight.tolist()
 
 
-def test_world_size_change_restores_shared_state_only(tmp_path, monkeypatch):
+def test_world_size_change_restores_shared_state_only(tmp_path, world_of_one):
     import torch
     source = torch.nn.Linear(2, 1)
     checkpoint.write_atomic({"state": {"model": source.state_dict()}, "ranks": [{"residual": None}, {"residual": None}]},
                             checkpoint.checkpoint_path(str(tmp_path), 30), step=30, world_size=2)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
     restored, start, mine, weight = cluster.run(_restore_into_fresh_model, None, checkpoint_dir=str(tmp_path),
                                                 collective_timeout=30)
     assert (restored, start, mine) == (True, 30, None)
@@ -158,7 +153,7 @@ LOCAL_CONFIG = dict(FAULT_CONFIG, local={"frequency": 4, "outer_lr": 0.7, "outer
 @pytest.mark.slow
 @needs_torchrun
 def test_torchrun_restart_after_sigkill_resumes_local_steps_exactly(tmp_path):
-    ref = run_local(cluster.run, 2, (cluster_job.train, LOCAL_CONFIG), timeout=120, collective_timeout=60)[0]
+    ref = cluster_job.reference(LOCAL_CONFIG)
     proc, out = _torchrun(tmp_path, dict(LOCAL_CONFIG, kill_at_step=75, kill_rank=1), max_restarts=2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "exitcode  : -9" in proc.stderr or "exitcode: -9" in proc.stderr

@@ -14,8 +14,6 @@ import time
 import pytest
 
 import cluster_job
-from gradshare import cluster
-from gradshare.workers import run_local
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "cluster_job.py")
@@ -96,7 +94,7 @@ def _run_across_hosts(tmp_path, config, max_restarts=0):
 
 @pytest.fixture(scope="module")
 def reference():
-    return run_local(cluster.run, 2, (cluster_job.train, CONFIG), timeout=120, collective_timeout=60)[0]
+    return cluster_job.reference(CONFIG)
 
 
 def test_two_hosts_train_together(tmp_path, reference):

@@ -68,11 +68,11 @@ def test_sharing_falls_back_to_dense_when_allgather_costs_more():
 
 
 def test_averaging_bytes_amortised():
-    assert cm.averaging_bytes(2, 1000, period=5) == 800.0
-    assert cm.averaging_bytes(2, 1000, period=5, optimizer_state_factor=1) == 1600.0
-    assert cm.averaging_bytes(4, 1000, period=1) == 6000.0
+    assert cm.averaging_bytes(2, 1000, frequency=5) == 800.0
+    assert cm.averaging_bytes(2, 1000, frequency=5, optimizer_state_factor=1) == 1600.0
+    assert cm.averaging_bytes(4, 1000, frequency=1) == 6000.0
     with pytest.raises(ValueError):
-        cm.averaging_bytes(2, 1000, period=0)
+        cm.averaging_bytes(2, 1000, frequency=0)
 
 
 def test_tensor_and_pipeline_parallel_formulas():

@@ -1,5 +1,3 @@
-import gzip
-import os
 import struct
 import threading
 
@@ -10,8 +8,7 @@ import torch
 from gradshare import data
 from gradshare.data import (Prefetcher, batch_indices, eval_shard, load_digits, load_mnist, parse_data_spec,
                             read_idx, train_shard)
-
-MNIST = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "mnist")
+from conftest import write_idx
 
 
 def test_load_digits_shapes_scale_and_split():
@@ -33,14 +30,6 @@ def test_load_digits_split_is_fixed_by_seed():
     assert not torch.equal(a.tensors[0], c.tensors[0])
 
 
-def _write_idx(path, arr, gz):
-    codes = {np.uint8: 0x08}
-    head = bytes([0, 0, codes[arr.dtype.type], arr.ndim]) + struct.pack(f">{arr.ndim}I", *arr.shape)
-    raw = head + arr.tobytes()
-    with (gzip.open if gz else open)(path, "wb") as f:
-        f.write(raw)
-
-
 @pytest.mark.parametrize("gz", [False, True])
 def test_load_mnist_reads_idx_files(tmp_path, gz):
     rng = np.random.default_rng(0)
@@ -49,8 +38,8 @@ def test_load_mnist_reads_idx_files(tmp_path, gz):
         imgs = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
         labels = rng.integers(0, 10, size=n, dtype=np.uint8)
         suffix = ".gz" if gz else ""
-        _write_idx(tmp_path / f"{split}-images-idx3-ubyte{suffix}", imgs, gz)
-        _write_idx(tmp_path / f"{split}-labels-idx1-ubyte{suffix}", labels, gz)
+        write_idx(tmp_path / f"{split}-images-idx3-ubyte{suffix}", imgs, gz)
+        write_idx(tmp_path / f"{split}-labels-idx1-ubyte{suffix}", labels, gz)
         arrays[split] = (imgs, labels)
     tr, te = load_mnist(str(tmp_path))
     assert tr.tensors[0].shape == (7, 1, 28, 28) and te.tensors[0].shape == (3, 1, 28, 28)
@@ -73,9 +62,8 @@ def test_read_idx_rejects_bad_files(tmp_path):
         load_mnist(str(tmp_path))
 
 
-@pytest.mark.skipif(not os.path.isdir(MNIST), reason="no MNIST files on this machine")
-def test_load_real_mnist():
-    tr, te = load_mnist(MNIST)
+def test_load_real_mnist(mnist_dir):
+    tr, te = load_mnist(mnist_dir)
     assert tr.tensors[0].shape == (60000, 1, 28, 28) and te.tensors[0].shape == (10000, 1, 28, 28)
     assert set(torch.unique(te.tensors[1]).tolist()) == set(range(10))
 

@@ -15,7 +15,8 @@ import gradshare.integrations.lightning  # noqa: E402  (needs lightning)
 from gradshare import ThresholdState, TopK, verify_replicas  # noqa: E402
 from gradshare.integrations.lightning import CHECKPOINT_KEY, GradshareStrategy  # noqa: E402
 from gradshare.workers import run_local  # noqa: E402
-from tiny_model import check_one_line_run, flat, net  # noqa: E402
+from tiny_model import (check_one_line_run, count_hook_calls, first_moment, flat, net,  # noqa: E402
+                        one_line_result, residual_of)
 
 BATCHES = 6                  # per epoch and rank
 
@@ -58,10 +59,6 @@ def _trainer(strategy, max_steps, callbacks=(), checkpointing=False, root=None):
                      use_distributed_sampler=False)
 
 
-def _residual(state_dict):
-    return torch.cat([b["residual"] for b in state_dict["sharing"]["buckets"]]).numpy()
-
-
 # --------------------------------------------------------------------------------------------------
 # Constructing the strategy
 # --------------------------------------------------------------------------------------------------
@@ -92,21 +89,12 @@ def test_resuming_with_another_number_of_ranks_is_refused():
 
 def _fit(state_kwargs, bad_step):
     warnings.simplefilter("ignore")
-    calls = []
-    hook = gradshare.integrations.lightning.threshold_hook
-
-    def counted(state, bucket):
-        calls.append(bucket.index())
-        return hook(state, bucket)
-
-    gradshare.integrations.lightning.threshold_hook = counted   # in this worker only: the strategy registers this name
+    calls = count_hook_calls(gradshare.integrations.lightning)    # the strategy registers its threshold_hook
     module = _Module(bad_step)
     strategy = GradshareStrategy(**state_kwargs)
     _trainer(strategy, 3 * BATCHES).fit(module, _loader())
     verify_replicas(module.net)
-    st = strategy.state
-    return {"mode": st.mode, "iteration": st.iteration, "formats": dict(st.stats.format_counts),
-            "hook_calls": len(calls), "params": flat(module.net)}
+    return one_line_result(strategy.state, calls, module.net)
 
 
 @pytest.mark.slow
@@ -121,7 +109,7 @@ def test_a_nonfinite_gradient_in_the_closure_skips_that_step_everywhere():
     # before the optimizer steps, or rank 1's AdamW state takes the Inf and its parameters turn NaN.
     res = run_local(_fit, 2, ({"nonfinite": "skip", "link": None}, 4), timeout=120)
     for r in res:
-        assert r["iteration"] == 3 * BATCHES - 1          # Lightning's 18 steps, one of them dropped
+        assert r["step_count"] == 3 * BATCHES - 1          # Lightning's 18 steps, one of them dropped
         assert np.isfinite(r["params"]).all()
         assert np.array_equal(r["params"], res[0]["params"])
 
@@ -146,11 +134,11 @@ def _resume(root):
     ranks = saved[CHECKPOINT_KEY]["ranks"]
     # numpy, not tensors: tensors would come back through shared memory that ends with this process
     return {"global_step": saved["global_step"], "world_size": saved[CHECKPOINT_KEY]["world_size"],
-            "saved": [_residual(e["sharing"]) for e in ranks],
-            "moments": [next(iter(e["optimizer"]["state"].values()))["exp_avg"].numpy() for e in ranks],
-            "start": _residual(start.state), "start_step": start.state["sharing"]["step"],
-            "full": (flat(full.net), _residual(first.state.state_dict()), first.state.iteration),
-            "resumed": (flat(again.net), _residual(second.state.state_dict()), second.state.iteration),
+            "saved": [residual_of(e["sharing"]) for e in ranks],
+            "moments": [first_moment(e["optimizer"]) for e in ranks],
+            "start": residual_of(start.state), "start_step": start.state["sharing"]["step"],
+            "full": (flat(full.net), residual_of(first.state.state_dict()), first.state.step_count),
+            "resumed": (flat(again.net), residual_of(second.state.state_dict()), second.state.step_count),
             "rank": dist.get_rank()}
 
 
@@ -165,8 +153,8 @@ def test_fit_from_a_lightning_checkpoint_continues_bit_for_bit(tmp_path):
     for r in res:
         assert np.array_equal(r["start"], saved[r["rank"]])   # each rank restored its own residuals
         assert r["start_step"] == 2 * BATCHES
-        params, residual, iteration = r["full"]
-        assert iteration == r["resumed"][2] == 3 * BATCHES
+        params, residual, step_count = r["full"]
+        assert step_count == r["resumed"][2] == 3 * BATCHES
         assert np.array_equal(r["resumed"][0], params)       # bitwise, on every rank
         assert np.array_equal(r["resumed"][1], residual)
         assert np.array_equal(params, res[0]["full"][0])

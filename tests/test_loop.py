@@ -73,7 +73,7 @@ def _cluster_job(ckdir, opts):
 @pytest.mark.parametrize("mode", ["diloco", "sparse_local"])
 def test_local_steps_resume_from_a_mid_round_checkpoint_exactly(tmp_path, mode):
     # a round every 3 steps (and at each epoch's end: 23 steps): the step-40 checkpoint is mid-round
-    opts = {"epochs": 2, "progress": False, "mode": mode, "averaging_frequency": 3}
+    opts = {"epochs": 2, "progress": False, "mode": mode, "frequency": 3}
     full = run_local(_cluster_job, 2, (str(tmp_path / "full"), opts), timeout=300)[0]
     shutil.copytree(tmp_path / "full", tmp_path / "resume")
     kept = list_checkpoints(str(tmp_path / "resume"))

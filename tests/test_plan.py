@@ -16,7 +16,7 @@ def run_plan(capsys, *argv):
 
 def test_plan_exact_cost_numbers(capsys):
     out = run_plan(capsys, "--params", "1000000", "--workers", "2", "--bandwidth", "100mbit", "--step-time", "100",
-                   "--latency-ms", "0", "--efficiency", "1", "--encode-ns", "0")
+                   "--latency-ms", "0", "--efficiency", "1", "--encode-ns", "0", "--density", "0.01")
     s = {x["name"]: x for x in out["schemes"]}
     assert out["params"] == 1_000_000 and out["bandwidth_bps"] == 1e8 and out["compute_s"] == pytest.approx(0.1)
     assert s["allreduce"]["bytes_per_step"] == 4_000_000
@@ -24,18 +24,18 @@ def test_plan_exact_cost_numbers(capsys):
     assert s["allreduce"]["step_time"] == pytest.approx(0.42)
     assert s["allreduce"]["speedup"] == pytest.approx(2 * 0.1 / 0.42)
     assert s["fp16"]["bytes_per_step"] == 2_000_000
-    assert s["sharing"]["bytes_per_step"] == 4 * 10005 + 32      # density 1e-2 (TopK's default): 10,000 entries
+    assert s["sharing"]["bytes_per_step"] == 4 * 10005 + 32      # messages of 1e-2 of the buffer: 10,000 words
     assert s["bitmap"]["bytes_per_step"] == 4 * 62505 + 32
-    # averaging: 320 ms per full allreduce, <= 10 ms per step needs k = 32 > 20: no period suggested
-    assert out["averaging"]["period"] is None
+    # averaging: 320 ms per full allreduce, <= 10 ms per step needs k = 32 > 20: no frequency suggested
+    assert out["averaging"]["frequency"] is None
     assert s["averaging"]["bytes_per_step"] == 4_000_000 / 20
 
 
-def test_plan_suggests_averaging_period(capsys):
+def test_plan_suggests_averaging_frequency(capsys):
     # 1M params at 1 Gbit/s: 32 ms per averaging; 10% of 100 ms compute -> every 4 steps
     out = run_plan(capsys, "--params", "1000000", "--bandwidth", "1gbit", "--step-time", "100",
                    "--latency-ms", "0", "--efficiency", "1")
-    assert out["averaging"]["period"] == 4
+    assert out["averaging"]["frequency"] == 4
     s = {x["name"]: x for x in out["schemes"]}
     assert s["averaging"]["bytes_per_step"] == 1_000_000.0
 
@@ -108,3 +108,33 @@ def test_measure_needs_model(capsys):
     plan.add_arguments(p)
     assert plan.run(p.parse_args(["--params", "10", "--measure"])) == 2
     assert "--measure needs --model" in capsys.readouterr().err
+
+
+def test_sharing_is_modelled_at_what_the_default_topk_sends(capsys, monkeypatch):
+    from gradshare.compression import TopK
+
+    params = 1_000_000
+    out = run_plan(capsys, "--params", str(params), "--step-time", "100")
+    topk = TopK()
+    words = topk.words(params, topk.warmup_steps)              # after the warm-up, at TopK()'s own chunk and values
+    assert out["density"] == pytest.approx((words - 5) / params)
+    assert out["compression"]["topk_default_density"] == topk.density
+    assert "TopK's warm-up" in out["compression"]["warmup"]
+
+    class Denser(TopK):                                        # the defaults change: the advice follows
+        def __init__(self, density=0.05, **kw):
+            super().__init__(density, **kw)
+
+    monkeypatch.setattr(plan, "TopK", Denser)
+    out = run_plan(capsys, "--params", str(params), "--step-time", "100")
+    assert out["compression"]["topk_default_density"] == 0.05
+    assert out["density"] == pytest.approx((Denser().words(params, Denser().warmup_steps) - 5) / params)
+
+
+def test_adam_beyond_ternary_is_pointed_to_local_steps(capsys):
+    # 25M parameters at 100 Mbit/s, 1 s steps: TopK(0.01) fits in 10% of compute, Adam's Ternary() does not
+    out = run_plan(capsys, "--params", "25000000", "--workers", "2", "--bandwidth", "100mbit", "--step-time", "1000")
+    assert "local steps" in out["compression"]["why"] and "--mode diloco" in out["compression"]["why"]
+    # so little fits that even TopK(0.001) is too much: average instead of sharing every step
+    out = run_plan(capsys, "--params", "3716106", "--bandwidth", "10mbit", "--step-time", "15")
+    assert out["compression"]["algorithm"].startswith("ParameterAveraging")

@@ -17,7 +17,6 @@ from pyspark import cloudpickle  # noqa: E402  (the copy TorchDistributor pickle
 
 import cluster_job  # noqa: E402
 from gradshare import checkpoint, cluster, spark  # noqa: E402
-from gradshare.workers import run_local  # noqa: E402
 
 # Spark workers cannot import the tests folder: ship the job module by value.
 cloudpickle.register_pickle_by_value(cluster_job)
@@ -28,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def reference():
-    return run_local(cluster.run, 2, (cluster_job.train, CONFIG), timeout=120, collective_timeout=60)[0]
+    return cluster_job.reference(CONFIG)
 
 
 def test_local_mode_matches_run_local(reference):

@@ -1,15 +1,12 @@
 import csv
-import gzip
 import io
 import json
 import os
 import re
 import shlex
-import struct
 import sys
 from contextlib import redirect_stdout
 
-import numpy as np
 import pytest
 import torch
 
@@ -48,26 +45,12 @@ def test_default_command_trains_to_the_floor_and_writes_csv_and_png(tmp_path, ca
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def _tiny_mnist(folder, n_train=96, n_test=40):
-    rng = np.random.default_rng(0)
-    for split, n in (("train", n_train), ("t10k", n_test)):
-        labels = rng.integers(0, 10, size=n, dtype=np.uint8)
-        imgs = np.zeros((n, 28, 28), dtype=np.uint8)
-        for i, c in enumerate(labels):          # a learnable pattern: a bright row per class
-            imgs[i, 2 + 2 * c, :] = 255
-        for name, arr in ((f"{split}-images-idx3-ubyte.gz", imgs), (f"{split}-labels-idx1-ubyte.gz", labels)):
-            head = bytes([0, 0, 8, arr.ndim]) + struct.pack(f">{arr.ndim}I", *arr.shape)
-            with gzip.open(folder / name, "wb") as f:
-                f.write(head + arr.tobytes())
-
-
 @pytest.mark.slow
-def test_tiny_averaging_run_on_mnist_files(tmp_path, capsys):
+def test_tiny_averaging_run_on_mnist_files(tiny_mnist, capsys):
     pytest.importorskip("matplotlib")
-    _tiny_mnist(tmp_path)
-    csv_path, png_path = tmp_path / "a.csv", tmp_path / "a.png"
-    argv = ["train", "--mode", "averaging", "--averaging-frequency", "2", "--epochs", "2", "--batch-size", "16",
-            "--data", f"mnist:{tmp_path}", "--no-progress", "--metrics", str(csv_path), "--plot", str(png_path)]
+    csv_path, png_path = tiny_mnist / "a.csv", tiny_mnist / "a.png"
+    argv = ["train", "--mode", "averaging", "--frequency", "2", "--epochs", "2", "--batch-size", "16",
+            "--data", f"mnist:{tiny_mnist}", "--no-progress", "--metrics", str(csv_path), "--plot", str(png_path)]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "final test accuracy" in out and "averaging" in out
@@ -112,8 +95,9 @@ def test_compression_specs_and_config():
 def test_local_steps_modes_build_parameter_averaging_options():
     from gradshare import Adaptive, TopK
 
-    d = build_config({"mode": "diloco", "averaging_frequency": 20})
-    assert d.mode == "averaging" and d.averaging_frequency == 20 and d.compression is None
+    d = build_config({"mode": "diloco", "frequency": 20})
+    assert d.mode == "averaging" and d.frequency == 20 and d.compression is None
+    assert build_config({"mode": "diloco", "averaging_frequency": 7}).frequency == 7   # the key's former name
     assert d.outer_optimizer == (torch.optim.SGD, {"lr": 0.7, "momentum": 0.9, "nesterov": True})
     s = build_config({"mode": "sparse_local"})
     assert s.outer_optimizer is None and s.residual_decay == 0.9

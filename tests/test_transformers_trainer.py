@@ -16,7 +16,8 @@ pytest.importorskip("accelerate")
 import gradshare.integrations.transformers as gt  # noqa: E402  (needs transformers)
 from gradshare import verify_replicas  # noqa: E402
 from gradshare.workers import run_local  # noqa: E402
-from tiny_model import check_one_line_run, flat, net  # noqa: E402
+from tiny_model import (check_one_line_run, count_hook_calls, first_moment, flat, net,  # noqa: E402
+                        one_line_result, residual_of)
 
 BATCH = 16
 STEPS_PER_EPOCH = 6            # per rank: the Trainer's sampler gives each rank its own share of the data
@@ -54,18 +55,9 @@ class _StartState(transformers.TrainerCallback):
         self.gs = gradshare_callback
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
-        self.residual = _residual(self.gs.state.state_dict())
-        self.sharing_step = self.gs.state.iteration
-        self.moment = _first_moment(optimizer.state_dict())
-
-
-def _residual(state_dict):
-    return torch.cat([b["residual"] for b in state_dict["sharing"]["buckets"]]).numpy()
-
-
-def _first_moment(optimizer_state):
-    # A copy: training goes on updating the optimizer's tensors in place.
-    return next(iter(optimizer_state["state"].values()))["exp_avg"].numpy().copy()
+        self.residual = residual_of(self.gs.state.state_dict())
+        self.sharing_step = self.gs.state.step_count
+        self.moment = first_moment(optimizer.state_dict())
 
 
 def _trainer(root, max_steps, save_steps=None, **state_kwargs):
@@ -106,20 +98,11 @@ def test_resuming_with_another_number_of_processes_is_refused(tmp_path):
 
 def _train(root):
     warnings.simplefilter("ignore")
-    calls = []
-    hook = gt.threshold_hook
-
-    def counted(state, bucket):
-        calls.append(bucket.index())
-        return hook(state, bucket)
-
-    gt.threshold_hook = counted   # in this worker only: the callback registers this name
+    calls = count_hook_calls(gt)          # the callback registers gt.threshold_hook
     trainer, cb = _trainer(root, 3 * STEPS_PER_EPOCH)
     trainer.train()
     verify_replicas(trainer.model.net)
-    st = cb.state
-    return {"mode": st.mode, "iteration": st.iteration, "formats": dict(st.stats.format_counts),
-            "hook_calls": len(calls), "params": flat(trainer.model.net)}
+    return one_line_result(cb.state, calls, trainer.model.net)
 
 
 @pytest.mark.slow
@@ -144,10 +127,10 @@ def _resume(root, at, steps):
     second.train(resume_from_checkpoint=ckpt)
     verify_replicas(second.model.net)
     return {"rank": dist.get_rank(), "world_size": entries["world_size"], "saved_step": entries["step"],
-            "saved": [_residual(e["sharing"]) for e in mine], "moments": [_first_moment(e["optimizer"]) for e in mine],
+            "saved": [residual_of(e["sharing"]) for e in mine], "moments": [first_moment(e["optimizer"]) for e in mine],
             "start": (start.residual, start.moment, start.sharing_step),
-            "full": (flat(first.model.net), _residual(cb.state.state_dict()), cb.state.iteration),
-            "resumed": (flat(second.model.net), _residual(cb2.state.state_dict()), cb2.state.iteration)}
+            "full": (flat(first.model.net), residual_of(cb.state.state_dict()), cb.state.step_count),
+            "resumed": (flat(second.model.net), residual_of(cb2.state.state_dict()), cb2.state.step_count)}
 
 
 @pytest.mark.parametrize("at", [STEPS_PER_EPOCH, STEPS_PER_EPOCH + 2], ids=["epoch_end", "mid_epoch"])
@@ -165,8 +148,8 @@ def test_resume_from_checkpoint_continues_bit_for_bit(tmp_path, at):
         assert np.array_equal(residual, saved[r["rank"]])            # each rank restored its own residuals
         assert np.array_equal(moment, res[0]["moments"][r["rank"]])  # and its own optimizer state
         assert sharing_step == at
-        params, residual, iteration = r["full"]
-        assert iteration == r["resumed"][2] == steps
+        params, residual, step_count = r["full"]
+        assert step_count == r["resumed"][2] == steps
         assert np.array_equal(r["resumed"][0], params)             # bitwise, on every rank
         assert np.array_equal(r["resumed"][1], residual)
         assert np.array_equal(params, res[0]["full"][0])

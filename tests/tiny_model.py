@@ -55,17 +55,49 @@ def scaled_steps(model, net, opt, steps=6, bad_at=None, enabled=True):
     return flat(model), scales
 
 
+def residual_of(state_dict):
+    """The residuals in a ThresholdState's (or SharedOptimizer's gradshare) state_dict, as one numpy array."""
+    return torch.cat([b["residual"] for b in state_dict["sharing"]["buckets"]]).numpy()
+
+
+def first_moment(optimizer_state):
+    """A copy of the first parameter's Adam exp_avg in an optimizer state_dict (training goes on updating the
+    optimizer's tensors in place)."""
+    return next(iter(optimizer_state["state"].values()))["exp_avg"].numpy().copy()
+
+
+def count_hook_calls(module):
+    """Wraps ``module.threshold_hook``, the name a framework integration registers, in this worker only; returns
+    the list that receives one entry per call."""
+    calls = []
+    hook = module.threshold_hook
+
+    def counted(state, bucket):
+        calls.append(bucket.index())
+        return hook(state, bucket)
+
+    module.threshold_hook = counted
+    return calls
+
+
+def one_line_result(state, calls, model):
+    """What check_one_line_run reads from one rank: the ThresholdState's mode, steps and formats, the hook's
+    calls and the trained parameters."""
+    return {"mode": state.mode, "step_count": state.step_count, "formats": dict(state.stats.format_counts),
+            "hook_calls": len(calls), "params": flat(model)}
+
+
 def check_one_line_run(results, steps):
-    """What a framework integration's default run must show on every rank (a list of per-rank dicts with mode,
-    iteration, formats, hook_calls, params): updates mode, the hook called at every backward and every step
-    shared, both link-aware paths taken (all-reduce steps first, then timed compressed ones; gradshare.link),
-    identical replicas, and parameters that moved."""
+    """What a framework integration's default run must show on every rank (a list of one_line_result dicts):
+    updates mode, the hook called at every backward and every step shared, both link-aware paths taken
+    (all-reduce steps first, then timed compressed ones; gradshare.link), identical replicas, and parameters
+    that moved."""
     import numpy as np
 
     for r in results:
         assert r["mode"] == "updates"
         assert r["hook_calls"] >= steps, r["hook_calls"]
-        assert r["iteration"] == steps, r["iteration"]
+        assert r["step_count"] == steps, r["step_count"]
         compressed = sum(n for f, n in r["formats"].items() if f not in ("allreduce", "skipped"))
         assert r["formats"]["allreduce"] > 0 and compressed > 0, r["formats"]
         assert np.array_equal(r["params"], results[0]["params"])

@@ -3,7 +3,8 @@
 ``number(low, high)`` parses a finite float in a range, ``integer(low)`` an int, ``count()`` a count written the way
 people write parameter counts (``25000000``, ``25_000_000``, ``2.5e7``, ``25M``, ``3.7k``, ``1.2G``),
 ``bandwidth()`` a link rate (gradshare.costmodel.parse_bandwidth), ``data_spec()`` ``digits`` or
-``mnist:PATH`` with PATH checked to hold the MNIST files, before any worker starts.
+``mnist:PATH`` with PATH checked to hold the MNIST files, before any worker starts. ``HelpFormatter`` prints
+the help in plain lines and ``FormerName`` keeps a renamed option working, hidden from the help.
 """
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import argparse
 import math
 import os
 import re
-from typing import Callable, Optional
+import sys
+import textwrap
+from typing import Any, Callable, List, Optional, Sequence
 
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
@@ -101,3 +104,64 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help in plain lines, wrapped to the terminal.
+
+    A description's paragraphs are re-wrapped, each ``- `` item starts a line of its own and lines indented by
+    four spaces (examples) print as written. An option's help keeps its own line breaks and gets
+    "(default: X)" once: only where the option has a default worth saying (not None, False or empty) and its
+    help does not already say its default in words.
+    """
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        blocks: List[List[str]] = []                       # [kind, text]: para, item, verbatim or blank
+        for line in textwrap.dedent(text).strip("\n").splitlines():
+            words = line.strip()
+            if not words:
+                blocks.append(["blank", ""])
+            elif line.startswith("    "):
+                blocks.append(["verbatim", line])
+            elif words.startswith("- "):
+                blocks.append(["item", words])
+            elif blocks and blocks[-1][0] in ("para", "item"):
+                blocks[-1][1] += " " + words
+            else:
+                blocks.append(["para", words])
+        lines: List[str] = []
+        for kind, body in blocks:
+            if kind in ("blank", "verbatim"):
+                lines.append(indent + body if body else "")
+            else:
+                lines += textwrap.wrap(body, width, initial_indent=indent, break_on_hyphens=False,
+                                       subsequent_indent=indent + ("  " if kind == "item" else ""))
+        return "\n".join(lines)
+
+    def _split_lines(self, text: str, width: int) -> List[str]:
+        return [part for line in text.splitlines()
+                for part in (textwrap.wrap(line, width, break_on_hyphens=False) or [""])]
+
+    def _get_help_string(self, action: argparse.Action) -> Optional[str]:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or "default" in text.lower() or default is None or default is False
+                or default is argparse.SUPPRESS or (isinstance(default, (str, list)) and not default)):
+            return text
+        # A help of several lines (a list) gets its default on a line of its own, not on the last item's.
+        return text + ("\n" if "\n" in text else " ") + "(default: %(default)s)"
+
+
+class FormerName(argparse.Action):
+    """A former option name, hidden from the help: stores into the new option's place and says on stderr what
+    the option is called now (``add_argument("--old", action=FormerName, new="--new", dest=...)``)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, new: str, **kwargs: Any):
+        kwargs.setdefault("help", argparse.SUPPRESS)
+        super().__init__(option_strings, dest, **kwargs)
+        self.new = new
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Optional[str] = None) -> None:
+        print(f"{parser.prog}: {option_string} is deprecated: use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)

@@ -47,6 +47,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gradshare._deprecation import renamed_kwargs
+
 FORMAT = "gradshare-checkpoint"
 VERSION = 2
 MAX_HEADER = 4096                 # bytes of the JSON header line, at most
@@ -252,14 +254,20 @@ def _snapshot(values: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-def _group_info(group) -> tuple:
+def _group_info(process_group) -> tuple:
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group), True
+        return dist.get_rank(process_group), dist.get_world_size(process_group), True
     return 0, 1, False
 
 
+def _first_rank(process_group) -> int:
+    """The global rank of ``process_group``'s rank 0 (the writer)."""
+    return dist.get_global_rank(process_group, 0) if process_group is not None else 0
+
+
+@renamed_kwargs(group="process_group")
 def save(directory: str, step: int, state: Optional[Mapping[str, Any]] = None,
-         rank_state: Optional[Mapping[str, Any]] = None, *, keep_last: int = 3, group=None,
+         rank_state: Optional[Mapping[str, Any]] = None, *, keep_last: int = 3, process_group=None,
          rng: bool = True) -> str:
     """Writes the checkpoint for ``step``; returns its path (on every rank).
 
@@ -267,19 +275,19 @@ def save(directory: str, step: int, state: Optional[Mapping[str, Any]] = None,
     their state dict). ``rank_state``: values that differ per rank (e.g. a gradient-sharing optimizer whose
     residuals are per rank), gathered from every rank; ``rng=True`` adds each rank's RNG states under
     ``"rng"``. Keeps the ``keep_last`` newest checkpoints (0 keeps all). Collective under an initialised
-    process group: call it on every rank of ``group`` with the same ``step``.
+    process group: call it on every rank of ``process_group`` (None: the default group; ``group`` is its former
+    name) with the same ``step``.
     """
     if keep_last < 0:
         raise ValueError(f"keep_last: must be >= 0, got {keep_last}")
     path = checkpoint_path(directory, step)
-    rank, world, distributed = _group_info(group)
+    rank, world, distributed = _group_info(process_group)
     mine = _snapshot(rank_state)
     if rng:
         mine["rng"] = rng_state()
     if distributed and world > 1:
         gathered: Optional[List[Any]] = [None] * world if rank == 0 else None
-        dist.gather_object(mine, gathered, dst=dist.get_global_rank(group, 0) if group is not None else 0,
-                           group=group)
+        dist.gather_object(mine, gathered, dst=_first_rank(process_group), group=process_group)
     else:
         gathered = [mine]
     error = None
@@ -295,8 +303,8 @@ def save(directory: str, step: int, state: Optional[Mapping[str, Any]] = None,
                 raise
     if distributed and world > 1:
         outcome = [error]
-        dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0) if group is not None else 0,
-                                   group=group)
+        dist.broadcast_object_list(outcome, src=_first_rank(process_group),
+                                   group=process_group)
         if outcome[0] is not None:
             raise RuntimeError(f"checkpoint {path} was not written: {outcome[0]}")
     return path

@@ -1,7 +1,6 @@
 """The `gradshare` command (also `python -m gradshare`): train, plan, info."""
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import sys
@@ -13,6 +12,16 @@ _SUBCOMMANDS = {
 }
 
 
+_DESCRIPTION = """Communication-efficient data-parallel training.
+
+Examples:
+    gradshare train --workers 2
+    gradshare plan --params 25M --workers 8 --bandwidth 1gbit --step-time 100
+    gradshare COMMAND --help
+"""
+_INFO = "print what the native library was built with"
+
+
 def _info(args) -> int:
     from gradshare import build_info
 
@@ -21,14 +30,17 @@ def _info(args) -> int:
 
 
 def main(argv=None) -> int:
-    from gradshare.argtypes import OneLineParser
+    from gradshare.argtypes import HelpFormatter, OneLineParser
 
     from gradshare import __version__
 
-    parser = OneLineParser(prog="gradshare", description="Communication-efficient data-parallel training")
+    parser = OneLineParser(prog="gradshare", formatter_class=HelpFormatter, description=_DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"gradshare {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    sub.add_parser("info", help="what the native library was built with").set_defaults(func=_info)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser, title="commands",
+                                metavar="COMMAND")
+    sub.add_parser("info", help=_INFO, description=_INFO + " (JSON): version, CUDA and its architectures, "
+                   "OpenMP, CPU threads, message format version.",
+                   formatter_class=HelpFormatter).set_defaults(func=_info)
     for name, (module, help_text) in _SUBCOMMANDS.items():
         try:
             mod = importlib.import_module(module)
@@ -36,8 +48,8 @@ def main(argv=None) -> int:
             if exc.name != module:
                 raise
             continue
-        p = sub.add_parser(name, help=help_text, description=mod.__doc__,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        # The module's docstring is its help: plain text, printed by HelpFormatter in readable lines.
+        p = sub.add_parser(name, help=help_text, description=mod.__doc__, formatter_class=HelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(func=mod.run)
     try:

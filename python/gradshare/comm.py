@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from gradshare import message as msgfmt
 from gradshare import ops
+from gradshare._deprecation import RenamedAttribute, renamed_kwargs
 from gradshare.costmodel import allgather_bytes, fixed_allgather_bytes, ring_allreduce_bytes
 from gradshare.message import (BITMAP, CHUNKED, FAILED, FORMAT_NAMES, HEADER_WORDS, LENGTHS_WORDS, NONFINITE, SPARSE,
                                TERNARY, TOPK, TOPK8)
@@ -387,8 +388,9 @@ def _make(update, residual, tau, encoder, clip, format, step, out, group, averag
                      backup, nonfinite, name, kept)
 
 
+@renamed_kwargs(group="process_group")
 def exchange(update: torch.Tensor, residual: torch.Tensor, tau: Optional[float] = None, *,
-             encoder=None, out: Optional[torch.Tensor] = None, group=None, average: bool = True,
+             encoder=None, out: Optional[torch.Tensor] = None, process_group=None, average: bool = True,
              clip: Optional[float] = None, format: str = "auto", fallback: str = "auto",
              backup: Optional[torch.Tensor] = None, nonfinite: str = "raise", step: Optional[int] = None,
              name: str = "buffer", kept: Optional[torch.Tensor] = None) -> ExchangeResult:
@@ -405,18 +407,18 @@ def exchange(update: torch.Tensor, residual: torch.Tensor, tau: Optional[float] 
         kept: a float32 buffer like the residual that receives what is not sent (error feedback); the
             residual is then only read, so an exchange that fails leaves it as it was (no backup needed).
 
-    Every rank of ``group`` must call it with a buffer of the same size, in the same order as its
-    other collectives on ``group``.
+    Every rank of ``process_group`` (None: the default group; ``group`` is its former name) must call it
+    with a buffer of the same size, in the same order as its other collectives on that group.
     """
-    ex = _make(update, residual, tau, encoder, clip, format, step, out, group, average, fallback, backup,
+    ex = _make(update, residual, tau, encoder, clip, format, step, out, process_group, average, fallback, backup,
                nonfinite, name, kept)
     meta = ex.encode()
     if meta is not None:
-        all_gather_fn()(ex.meta_all, meta, group=group)
+        all_gather_fn()(ex.meta_all, meta, group=process_group)
         skipped = ex.plan()
         if skipped is not None:
             return skipped
-    ex.launch(group, async_op=False)
+    ex.launch(process_group, async_op=False)
     return ex.finish()
 
 
@@ -434,8 +436,9 @@ class Channel:
     created again.
     """
 
-    def __init__(self, group=None):
-        self._group = None if group is None else weakref.ref(group)
+    @renamed_kwargs(group="process_group")
+    def __init__(self, process_group=None):
+        self._group = None if process_group is None else weakref.ref(process_group)
         self._payload_group = None
         self._lock = threading.RLock()
         self._issued = 0
@@ -443,7 +446,7 @@ class Channel:
         self._ready: Dict[int, Callable[[], None]] = {}
 
     @property
-    def group(self):
+    def process_group(self):
         """The group exchanged over (None: the default group)."""
         if self._group is None:
             return None
@@ -455,7 +458,7 @@ class Channel:
     def payload_group(self):
         g = self._payload_group() if self._payload_group is not None else None
         if g is None:
-            ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+            ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
             g = dist.new_group(ranks, use_local_synchronization=True)
             self._payload_group = weakref.ref(g)   # torch's registry owns it until destroy_process_group()
         return g
@@ -479,6 +482,8 @@ class Channel:
     def __getstate__(self):
         raise TypeError("Channel holds process groups and cannot be pickled")
 
+    group = RenamedAttribute("process_group")
+
 
 # One channel per group for exchange_async calls without a channel; keyed weakly so that a destroyed
 # group is not kept alive by its channel.
@@ -486,20 +491,23 @@ _default_channel: Optional[Channel] = None
 _group_channels: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def default_channel(group=None) -> Channel:
+@renamed_kwargs(group="process_group")
+def default_channel(process_group=None) -> Channel:
+    """The channel exchange_async uses on ``process_group`` when given none (one per group)."""
     global _default_channel
-    if group is None:
+    if process_group is None:
         if _default_channel is None:
             _default_channel = Channel(None)
         return _default_channel
-    ch = _group_channels.get(group)
+    ch = _group_channels.get(process_group)
     if ch is None:
-        ch = _group_channels[group] = Channel(group)
+        ch = _group_channels[process_group] = Channel(process_group)
     return ch
 
 
+@renamed_kwargs(group="process_group")
 def exchange_async(update: torch.Tensor, residual: torch.Tensor, tau: Optional[float] = None, *,
-                   encoder=None, out: Optional[torch.Tensor] = None, group=None, average: bool = True,
+                   encoder=None, out: Optional[torch.Tensor] = None, process_group=None, average: bool = True,
                    clip: Optional[float] = None, format: str = "auto", fallback: str = "auto",
                    backup: Optional[torch.Tensor] = None, nonfinite: str = "raise", step: Optional[int] = None,
                    name: str = "buffer", channel: Optional[Channel] = None,
@@ -507,12 +515,12 @@ def exchange_async(update: torch.Tensor, residual: torch.Tensor, tau: Optional[f
     """Non-blocking exchange: encodes now, returns a Future[ExchangeResult] chained on async collectives.
 
     Same arguments as ``exchange``. Fixed-length messages (TopK, Ternary) are gathered at once, on
-    ``group``, in call order. Varying-length ones first gather the lengths on ``group`` (launched here, on
-    the caller's thread) and then the payload on ``channel``'s private group (default: one channel per
-    group), launched in call order when the lengths arrive. Errors (NonFiniteStepError, a failed
+    ``process_group``, in call order. Varying-length ones first gather the lengths on ``process_group``
+    (launched here, on the caller's thread) and then the payload on ``channel``'s private group (default: one
+    channel per group), launched in call order when the lengths arrive. Errors (NonFiniteStepError, a failed
     collective) are set on the returned future: ``wait()`` raises them on every rank.
     """
-    ex = _make(update, residual, tau, encoder, clip, format, step, out, group, average, fallback, backup,
+    ex = _make(update, residual, tau, encoder, clip, format, step, out, process_group, average, fallback, backup,
                nonfinite, name, kept)
     result: torch.futures.Future = torch.futures.Future()
 
@@ -529,12 +537,12 @@ def exchange_async(update: torch.Tensor, residual: torch.Tensor, tau: Optional[f
 
     if ex.fixed is not None:
         ex.encode()
-        ex.launch(group, async_op=True).get_future().then(on_payload)
+        ex.launch(process_group, async_op=True).get_future().then(on_payload)
         return result
 
-    ch = channel if channel is not None else default_channel(group)
-    if channel is not None and group is None:
-        group = ex.group = ch.group
+    ch = channel if channel is not None else default_channel(process_group)
+    if channel is not None and process_group is None:
+        process_group = ex.group = ch.process_group
     payload_group = ch.payload_group()
     meta = ex.encode()
     ticket = ch.ticket()
@@ -563,7 +571,7 @@ def exchange_async(update: torch.Tensor, residual: torch.Tensor, tau: Optional[f
             fail(e)
 
     try:
-        work = all_gather_fn()(ex.meta_all, meta, group=group, async_op=True)
+        work = all_gather_fn()(ex.meta_all, meta, group=process_group, async_op=True)
     except BaseException:
         ch.launch(ticket, None)
         raise

@@ -26,7 +26,7 @@ Formulas (N workers, P float32 parameters, 4 bytes each):
   decided per step from the gathered lengths, so it never moves more than the dense allreduce plus the
   lengths exchange. (A hierarchical or tree exchange would push the crossover further; gradshare does not
   implement one.)
-* parameter averaging every k steps: one dense allreduce of the parameters (and, when
+* parameter averaging every k steps (``frequency``): one dense allreduce of the parameters (and, when
   ``optimizer_state_factor > 0``, of that many parameter-sized optimizer buffers: momentum = 1, Adam = 2),
   amortised over k steps.
 * tensor parallelism (Megatron-LM, Shoeybi et al. 2019; Narayanan et al. 2021): per transformer layer and
@@ -47,6 +47,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
+from gradshare._deprecation import renamed_kwargs
 from gradshare.message import HEADER_WORDS, LENGTHS_WORDS, bitmap_words
 
 FLOAT32_BYTES = 4
@@ -183,11 +184,12 @@ def sharing_bytes(workers: int, params: int, density: float) -> float:
     return sparse_allgather_bytes(workers, params, density)
 
 
-def averaging_bytes(workers: int, params: int, period: int = 5, optimizer_state_factor: float = 0.0) -> float:
-    """Amortised bytes per step of averaging parameters (+ optimizer buffers) every ``period`` steps."""
-    if period < 1:
-        raise ValueError("period must be >= 1")
-    return dense_allreduce_bytes(workers, params) * (1.0 + optimizer_state_factor) / period
+@renamed_kwargs(period="frequency")
+def averaging_bytes(workers: int, params: int, frequency: int = 5, optimizer_state_factor: float = 0.0) -> float:
+    """Amortised bytes per step of averaging parameters (+ optimizer buffers) every ``frequency`` steps."""
+    if frequency < 1:
+        raise ValueError("frequency must be >= 1")
+    return dense_allreduce_bytes(workers, params) * (1.0 + optimizer_state_factor) / frequency
 
 
 def sharing_crossover_workers(density: float) -> float:
@@ -273,8 +275,9 @@ def _step(name, compute, encode, comm, overlap, nbytes, note="", **detail) -> Sc
                       step_time=compute + encode + comm - hidden, note=note, detail=detail)
 
 
+@renamed_kwargs(averaging_period="frequency")
 def scheme_costs(params: int, workers: int, link: Link, compute: float, *, density: float = 1e-3,
-                 powersgd_rank: int = 2, shapes=None, averaging_period: int = 5,
+                 powersgd_rank: int = 2, shapes=None, frequency: int = 5,
                  optimizer_state_factor: float = 0.0, overlap: float = 0.0,
                  encode_per_element: float = ENCODE_SECONDS_PER_ELEMENT,
                  decode_per_word: float = DECODE_SECONDS_PER_WORD,
@@ -283,7 +286,7 @@ def scheme_costs(params: int, workers: int, link: Link, compute: float, *, densi
     """Modelled cost of every data-parallel scheme for one step of ``compute`` seconds on each worker.
 
     Returns, in a fixed order: allreduce, fp16, powersgd, sharing (gradshare, with its dense fallback),
-    bitmap (gradshare's worst case: every worker at density >= 1/16), averaging (every ``averaging_period``).
+    bitmap (gradshare's worst case: every worker at density >= 1/16), averaging (every ``frequency`` steps).
     Encode costs (seconds per element, defaults measured here): fp16 one compress/decompress pass over P;
     PowerSGD its matrix work over the compressed matrices; gradshare one encode pass over P and a decode of
     every received word (a dense pass over P when it falls back to the allreduce)."""
@@ -315,7 +318,7 @@ def scheme_costs(params: int, workers: int, link: Link, compute: float, *, densi
         share_comm = link.time(share, 2 * (n - 1))
         share_enc = params * encode_per_element + n * words * decode_per_word
     out.append(_step("sharing", compute, share_enc, share_comm, 0.0, share,
-                     f"gradshare threshold sharing at density {density:g}"
+                     f"gradshare sharing, messages of {density:.3g} of a float32 buffer"
                      + ("; dense fallback (all-gather would move more)" if fallback else "; sparse all-gather"),
                      message_words=words, allgather_bytes=gather, dense_fallback=float(fallback)))
     bwords = sparse_message_words(params, 1.0, "bitmap")
@@ -324,9 +327,9 @@ def scheme_costs(params: int, workers: int, link: Link, compute: float, *, densi
     out.append(_step("bitmap", compute, 0.0 if n == 1 else params * encode_per_element + n * bwords * decode_per_word,
                      link.time(bmap, 2 * (n - 1)) if n > 1 else 0.0, 0.0, bmap,
                      "gradshare worst case: every worker sends a bitmap (density >= 1/16)"))
-    avg = averaging_bytes(n, params, averaging_period, optimizer_state_factor)
-    out.append(_step("averaging", compute, 0.0, link.time(avg * averaging_period, 2 * (n - 1)) / averaging_period,
-                     0.0, avg, f"parameter averaging every {averaging_period} steps (amortised)"))
+    avg = averaging_bytes(n, params, frequency, optimizer_state_factor)
+    out.append(_step("averaging", compute, 0.0, link.time(avg * frequency, 2 * (n - 1)) / frequency,
+                     0.0, avg, f"parameter averaging every {frequency} steps (amortised)"))
     return out
 
 

@@ -39,13 +39,13 @@ gradients mode guard the optimizer with ``if state.should_step(): opt.step()``.
 """
 
 import threading
-import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from gradshare import comm
+from gradshare._deprecation import RenamedAttribute, renamed_kwargs
 from gradshare.comm import NonFiniteStepError
 from gradshare.sharing import Bucket, Sharing, SharingFront
 from gradshare.stats import Statistics
@@ -76,16 +76,12 @@ class ThresholdState(SharingFront):
         threshold: the former name of ``compression`` (deprecated).
     """
 
+    @renamed_kwargs(threshold="compression")
     def __init__(self, process_group=None, compression: Any = None, clipping: Any = _DEFAULT,
                  nonfinite: str = "raise", *, average: bool = True, fallback: str = "auto",
                  stats: Optional[Statistics] = None, momentum: Optional[float] = None,
                  optimizer: Optional[torch.optim.Optimizer] = None, bucket_cap_mb: float = 25.0,
-                 threshold: Any = None, link: Any = "auto"):
-        if threshold is not None:
-            if compression is not None:
-                raise TypeError("pass compression= or its former name threshold=, not both")
-            warnings.warn("ThresholdState(threshold=...) is now compression=...", DeprecationWarning, stacklevel=2)
-            compression = threshold
+                 link: Any = "auto"):
         if optimizer is not None and momentum is not None:
             raise ValueError("momentum= is for sharing gradients; with optimizer= the optimizer's own momentum "
                              "is used (leave momentum=None)")
@@ -125,9 +121,11 @@ class ThresholdState(SharingFront):
 
     # -- what the rest of gradshare reads ------------------------------------------------------------
     @property
-    def iteration(self) -> int:
-        """Steps shared so far (skipped steps not counted)."""
+    def step_count(self) -> int:
+        """Steps shared so far (skipped steps not counted); the name SharedOptimizer and ParameterAveraging use."""
         return self.sharing.step
+
+    iteration = RenamedAttribute("step_count")
 
     @property
     def nonfinite(self) -> str:

@@ -26,6 +26,7 @@ from torch import nn
 
 from gradshare import data as gdata
 from gradshare import metrics as gmetrics
+from gradshare._deprecation import RenamedAttribute, renamed_kwargs
 from gradshare.averaging import ParameterAveraging
 from gradshare.stats import ReportsTraffic
 
@@ -66,7 +67,7 @@ class TrainConfig:
     ``compression`` (None: chosen for the optimizer, gradshare.compression) and ``clipping`` (for +-tau
     thresholds); ``shared`` picks what is encoded: "updates" (default) or "gradients"; ``link``: "auto"
     (link-aware, gradshare.link) or None (compression at every step: runs repeat bit for bit)) or
-    "averaging" (ParameterAveraging every ``averaging_frequency`` steps; with ``outer_optimizer`` (a spec as
+    "averaging" (ParameterAveraging every ``frequency`` steps; with ``outer_optimizer`` (a spec as
     for ``optimizer``) and/or ``compression`` only the pseudo-gradient is shared, with ``residual_decay``:
     DiLoCo and SparseLoCo, gradshare.averaging). ``devices``: device i % len
     for rank i (default CPU). ``on_step(state)`` runs after every step on every rank (checkpointing);
@@ -85,7 +86,7 @@ class TrainConfig:
     compression: Any = None
     clipping: Any = "default"
     link: Any = "auto"
-    averaging_frequency: int = 5
+    frequency: int = 5
     average_optimizer_state: Optional[bool] = None
     outer_optimizer: Optional[OptimizerSpec] = None
     residual_decay: float = 1.0
@@ -102,17 +103,24 @@ class TrainConfig:
     resume: Any = None
     batch_keys: Tuple[str, str] = ("input", "target")
 
+    averaging_frequency = RenamedAttribute("frequency")      # the former name (not a field)
+
     def validate(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {self.mode!r}")
         if self.shared not in ("gradients", "updates"):
             raise ValueError(f"shared: expected 'gradients' or 'updates', got {self.shared!r}")
-        for name in ("epochs", "batch_size", "averaging_frequency", "eval_batch_size"):
+        for name in ("epochs", "batch_size", "frequency", "eval_batch_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if int(self.prefetch_buffer) < 0:
             raise ValueError(f"prefetch_buffer: must be >= 0, got {self.prefetch_buffer}")
         gmetrics.check_metrics(self.metrics)
+
+
+# The dataclass's own __init__, taking the former keyword too.
+TrainConfig.__init__ = renamed_kwargs(  # type: ignore[method-assign]
+    averaging_frequency="frequency")(TrainConfig.__init__)
 
 
 @dataclass
@@ -173,7 +181,7 @@ def _build_trainer(cfg: TrainConfig, model: nn.Module):
     inner = make_optimizer(cfg.optimizer, model.parameters())
     if cfg.mode == "averaging":
         outer = cfg.outer_optimizer
-        return ParameterAveraging(model, inner, frequency=cfg.averaging_frequency,
+        return ParameterAveraging(model, inner, frequency=cfg.frequency,
                                   average_optimizer_state=cfg.average_optimizer_state,
                                   warmup_steps=cfg.warmup_steps, compression=copy.deepcopy(cfg.compression),
                                   outer_optimizer=None if outer is None else functools.partial(make_optimizer, outer),

@@ -42,11 +42,11 @@ Parameters whose ``grad`` is None on every rank are left untouched, as torch's o
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from gradshare._deprecation import renamed_kwargs
 from gradshare.compression import Strom
 from gradshare.sharing import Sharing, SharingFront
 from gradshare.stats import Statistics
@@ -84,17 +84,13 @@ class SharedOptimizer(SharingFront, WrappedOptimizer):
     shared, and a step whose scaled gradients overflowed on any rank is skipped on every rank.
     """
 
+    @renamed_kwargs(threshold="compression")
     def __init__(self, optimizer: torch.optim.Optimizer, mode: str = "updates", compression: Any = None,
                  clipping: Any = _DEFAULT, process_group=None, nonfinite: str = "raise", *, reduce: str = "mean",
                  bucket_cap_mb: float = 25.0, fallback: str = "auto", stats: Optional[Statistics] = None,
-                 momentum: Optional[float] = None, threshold: Any = None, link: Any = "auto"):
+                 momentum: Optional[float] = None, link: Any = "auto"):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-        if threshold is not None:
-            if compression is not None:
-                raise TypeError("pass compression= or its former name threshold=, not both")
-            warnings.warn("SharedOptimizer(threshold=...) is now compression=...", DeprecationWarning, stacklevel=2)
-            compression = threshold
         if momentum is not None:
             if mode != "gradients":
                 raise ValueError('momentum correction needs mode="gradients" (in "updates" mode the inner '

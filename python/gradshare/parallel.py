@@ -8,7 +8,6 @@ into your model. For several hosts run gradshare.loop.train_rank under torchrun 
 from __future__ import annotations
 
 import os
-import warnings
 import pickle
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -18,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from gradshare import data as gdata
 from gradshare import loop
+from gradshare._deprecation import RenamedAttribute, renamed_kwargs
 from gradshare.workers import run_local
 
 _DAY = 24 * 3600.0
@@ -74,16 +74,16 @@ class ParallelWrapper:
         loss_fn: ``loss(outputs, targets)`` averaged over the batch (default cross-entropy).
         workers: worker processes (default: one per GPU, else a CPU count that fits the cores).
         mode: "shared_gradients" (threshold-encoded gradient sharing, gradshare.optim.SharedOptimizer)
-            or "averaging" (parameters and optimizer state averaged every ``averaging_frequency`` steps;
+            or "averaging" (parameters and optimizer state averaged every ``frequency`` steps;
             with ``outer_optimizer`` and/or ``compression``, only the pseudo-gradient: DiLoCo, SparseLoCo).
-        averaging_frequency: steps between averaging rounds (averaging mode).
+        frequency: steps between averaging rounds (averaging mode), as ParameterAveraging's ``frequency``.
         outer_optimizer: averaging mode: the outer optimizer, given like ``optimizer`` (a picklable factory
             or ``(class, kwargs)``), e.g. ``(torch.optim.SGD, dict(lr=0.7, momentum=0.9, nesterov=True))``.
         residual_decay: averaging mode with ``compression``: the pseudo-gradient's error-feedback decay.
         prefetch_buffer: batches each worker prepares ahead in a background thread.
         compression: what sharing sends (gradshare.compression; default: chosen for the optimizer); in
             averaging mode, what a round sends of the pseudo-gradient (default: parameters averaged).
-        threshold: the former name of ``compression`` (deprecated).
+        threshold, averaging_frequency: the former names of ``compression`` and ``frequency`` (deprecated).
         link: shared_gradients with the default compression: "auto" (link-aware: steps by float32 all-reduce
             where compressing is slower, gradshare.link) or None (compression at every step: a fit repeats
             bit for bit).
@@ -95,19 +95,17 @@ class ParallelWrapper:
         shared, clipping, average_optimizer_state, warmup_steps: see gradshare.loop.TrainConfig.
     """
 
+    averaging_frequency = RenamedAttribute("frequency")
+
+    @renamed_kwargs(threshold="compression", averaging_frequency="frequency")
     def __init__(self, model: nn.Module, optimizer: Any, loss_fn: Optional[Callable] = None,
-                 workers: Optional[int] = None, mode: str = "shared_gradients", averaging_frequency: int = 5,
+                 workers: Optional[int] = None, mode: str = "shared_gradients", frequency: int = 5,
                  prefetch_buffer: int = 2, compression: Any = None, devices: Optional[Sequence[str]] = None,
                  seed: int = 0, *, optimizer_kwargs: Optional[Dict[str, Any]] = None, shared: str = "updates",
                  clipping: Any = "default", average_optimizer_state: Optional[bool] = None, warmup_steps: int = 0,
-                 progress: bool = True, timeout: float = 7 * _DAY, threshold: Any = None,
+                 progress: bool = True, timeout: float = 7 * _DAY,
                  outer_optimizer: Any = None, residual_decay: float = 1.0, link: Any = "auto",
                  batch_keys: Sequence[str] = ("input", "target")):
-        if threshold is not None:
-            if compression is not None:
-                raise TypeError("pass compression= or its former name threshold=, not both")
-            warnings.warn("ParallelWrapper(threshold=...) is now compression=...", DeprecationWarning, stacklevel=2)
-            compression = threshold
         if mode not in loop.MODES:
             raise ValueError(f"mode: expected one of {loop.MODES}, got {mode!r}")
         if isinstance(optimizer, type):
@@ -122,7 +120,7 @@ class ParallelWrapper:
         if self.workers < 1:
             raise ValueError(f"workers: must be >= 1, got {workers}")
         self.mode = mode
-        self.averaging_frequency = int(averaging_frequency)
+        self.frequency = int(frequency)
         self.prefetch_buffer = int(prefetch_buffer)
         self.compression = compression
         self.seed = int(seed)
@@ -152,7 +150,7 @@ class ParallelWrapper:
             model=self.model, optimizer=self.optimizer, train_data=_shareable(data, "train", self.seed),
             loss_fn=self.loss_fn, epochs=epochs, batch_size=batch_size, mode=self.mode, shared=self.shared,
             compression=self.compression, clipping=self.clipping, link=self.link,
-            averaging_frequency=self.averaging_frequency,
+            frequency=self.frequency,
             average_optimizer_state=self.average_optimizer_state, warmup_steps=self.warmup_steps,
             outer_optimizer=self.outer_optimizer, residual_decay=self.residual_decay,
             validation_data=None if validation_data is None else _shareable(validation_data, "test", self.seed),
@@ -208,7 +206,7 @@ class ParallelWrapper:
 
     def __repr__(self) -> str:
         return (f"ParallelWrapper({type(self.model).__name__}, workers={self.workers}, mode={self.mode!r}, "
-                f"averaging_frequency={self.averaging_frequency}, devices={self.devices})")
+                f"frequency={self.frequency}, devices={self.devices})")
 
 
 def _shareable(data, split: str, seed: int):

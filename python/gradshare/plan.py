@@ -2,15 +2,20 @@
 
 Give the model as a parameter count (--params) or a class to load (--model pkg.module:Class), the workers,
 the link bandwidth, and the compute time of one step on one worker (--step-time in ms, or --measure to time
-a few real forward/backward steps). The advice comes from gradshare.costmodel: the expected step time of
-dense allreduce, fp16 allreduce, PowerSGD, gradshare threshold sharing and parameter averaging, DL4J's rule
-of thumb (>= 100 ms per step scales well, ~10 ms sub-linearly, <= 1 ms is not worth distributing), and a
-suggested compression and averaging frequency. The model does not predict accuracy: compressed and
-averaged schemes trade some convergence per step for fewer bytes; check with a short run.
+a few real forward/backward steps). The advice comes from gradshare.costmodel:
+- the expected step time of dense allreduce, fp16 allreduce, PowerSGD, gradshare sharing (at the size of
+  the default TopK message, read from gradshare.compression.TopK) and parameter averaging;
+- DL4J's rule of thumb: 100 ms or more per step scales well, around 10 ms sub-linearly, 1 ms or less is
+  not worth distributing;
+- what sharing should send on this link, and how often to average.
+
+The model does not predict accuracy: compressed and averaged schemes trade some convergence per step for
+fewer bytes; check with a short run.
 
 Examples:
-    gradshare plan --params 25000000 --workers 2 --bandwidth 100mbit --step-time 100
-    gradshare plan --model torchvision.models:resnet18 --input-shape 3,224,224 --batch-size 32 --measure --json
+    gradshare plan --params 25M --workers 2 --bandwidth 100mbit --step-time 100
+    gradshare plan --model torchvision.models:resnet18 --input-shape 3,224,224 \\
+        --batch-size 32 --measure --json
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ from typing import List, Optional, Sequence, Tuple
 
 from gradshare import argtypes
 from gradshare import costmodel as cm
+from gradshare._deprecation import former_names, renamed_kwargs
+from gradshare.compression import Compression, Ternary, TopK
 from gradshare.message import HEADER_WORDS
 
 # DL4J's guidance on when distributing pays (per-iteration compute time on one worker).
@@ -32,44 +39,105 @@ NOT_WORTH_S = 0.001
 ALLREDUCE_TOLERANCE = 1.05
 # Distributing must beat one worker by this throughput factor to be recommended.
 MIN_SPEEDUP = 1.1
-# Averaging frequency / threshold are chosen so communication costs at most this share of compute.
+# The averaging frequency and the message size are chosen so communication costs at most this share of compute.
 COMM_BUDGET = 0.10
-MAX_AVERAGING_PERIOD = 20     # DL4J javadoc: much above ~20 hurts convergence
+MAX_FREQUENCY = 20            # DL4J javadoc: averaging much less often than every ~20 steps hurts convergence
+# Below this TopK density per-step sharing trains noticeably worse (README, Training quality: 0.1%).
+MIN_TOPK_DENSITY = 1e-3
 CHOICES = ("allreduce", "fp16", "powersgd", "sharing", "averaging")
+# What Adam-like optimizers need where Ternary(), their default, does not fit (README, Training quality; Local steps).
+ADAM_ADVICE = ("for Adam-like optimizers use local steps instead (gradshare.ParameterAveraging with an "
+               "outer_optimizer; gradshare train --mode diloco --outer-lr 1 --outer-momentum 0): TopK on Adam's "
+               "updates trains far worse")
+
+__getattr__ = former_names(__name__, suggest_averaging_period="suggest_frequency",
+                           MAX_AVERAGING_PERIOD="MAX_FREQUENCY")
+
+
+# ------------------------------------------------------------------------------ what the defaults send
+def message_density(compression: Compression, params: int) -> float:
+    """Words of ``compression``'s message for ``params`` elements after any warm-up, header excluded, per
+    element: the message size as a fraction of a float32 buffer (the cost model's density)."""
+    step = int(getattr(compression, "warmup_steps", 0))
+    return max(0, compression.words(max(1, params), step) - HEADER_WORDS) / max(1, params)
+
+
+def topk_density_within(fraction: float, params: int) -> float:
+    """The largest TopK density (entries sent per element; TopK's other settings at their defaults) whose
+    message is at most ``fraction`` of a float32 buffer; 0 when not even one entry per chunk fits."""
+    def fits(d: float) -> bool:
+        return message_density(TopK(d), params) <= fraction
+    low, high = 0.0, 1.0
+    if fits(high):
+        return high
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if mid > 0 and fits(mid) else (low, mid)
+    return low
+
+
+def _one_digit_down(x: float) -> float:
+    """``x`` rounded down to one significant digit (0 stays 0): a density that still fits, written short."""
+    if x <= 0:
+        return 0.0
+    unit = 10.0 ** math.floor(math.log10(x))
+    return float(f"{math.floor(x / unit + 1e-9) * unit:.1g}")
+
+
+def _entry_bytes(tk: TopK) -> int:
+    """Bytes a TopK message spends per entry: a 16-bit position and an 8-bit or bfloat16 value."""
+    return 3 if tk.values == "int8" else 4
+
+
+def warmup_bytes(params: int, tk: Optional[TopK] = None) -> float:
+    """Bytes a TopK's warm-up (default: TopK()'s) sends on top of its steady density, per worker's message, once."""
+    tk = tk or TopK()
+    extra = sum(tk.words(params, s) - tk.words(params, tk.warmup_steps) for s in range(tk.warmup_steps))
+    return 4.0 * extra
 
 
 def add_arguments(p) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--params", type=argtypes.count(1), help="number of trainable parameters (25000000, 2.5e7, 25M)")
-    src.add_argument("--model", help="module:Class to instantiate and count (e.g. torchvision.models:resnet18)")
-    p.add_argument("--model-kwargs", default="{}", help="JSON keyword arguments for the model class")
-    p.add_argument("--workers", type=argtypes.integer(1), default=2, help="data-parallel workers")
-    p.add_argument("--bandwidth", type=argtypes.bandwidth, default="1gbit",
+    src.add_argument("--params", metavar="N", type=argtypes.count(1),
+                     help="number of trainable parameters (25000000, 2.5e7, 25M)")
+    src.add_argument("--model", metavar="MODULE:CLASS",
+                     help="module:Class to instantiate and count (e.g. torchvision.models:resnet18)")
+    p.add_argument("--model-kwargs", metavar="JSON", default="{}", help="JSON keyword arguments for the model class")
+    p.add_argument("--workers", metavar="N", type=argtypes.integer(1), default=2, help="data-parallel workers")
+    p.add_argument("--bandwidth", metavar="RATE", type=argtypes.bandwidth, default="1gbit",
                    help="per-worker link: 100mbit, 1gbit, 10gbit, 12.5MB/s ...")
-    p.add_argument("--latency-ms", type=argtypes.number(0), default=cm.LATENCY_SECONDS * 1e3, help="per message round")
-    p.add_argument("--efficiency", type=argtypes.number(0, 1, low_open=True), default=cm.LINK_EFFICIENCY,
+    p.add_argument("--latency-ms", metavar="MS", type=argtypes.number(0), default=cm.LATENCY_SECONDS * 1e3,
+                   help="per message round")
+    p.add_argument("--efficiency", metavar="FRACTION", type=argtypes.number(0, 1, low_open=True),
+                   default=cm.LINK_EFFICIENCY,
                    help="payload share of the link rate (TCP/IP overhead)")
     when = p.add_mutually_exclusive_group()
-    when.add_argument("--step-time", type=argtypes.number(0, low_open=True),
+    when.add_argument("--step-time", metavar="MS", type=argtypes.number(0, low_open=True),
                       help="compute time of one step on one worker, ms")
     when.add_argument("--measure", action="store_true", help="time a few forward/backward steps of --model")
-    p.add_argument("--input-shape", help="one sample's shape for --measure, e.g. 1,28,28")
-    p.add_argument("--batch-size", type=argtypes.integer(1), default=32, help="per-worker batch for --measure")
-    p.add_argument("--measure-steps", type=argtypes.integer(1), default=5,
+    p.add_argument("--input-shape", metavar="SHAPE", help="one sample's shape for --measure, e.g. 1,28,28")
+    p.add_argument("--batch-size", metavar="N", type=argtypes.integer(1), default=32,
+                   help="per-worker batch for --measure")
+    p.add_argument("--measure-steps", metavar="N", type=argtypes.integer(1), default=5,
                    help="timed steps for --measure (after 2 warm-up)")
-    p.add_argument("--threads", type=argtypes.integer(1), default=1,
+    p.add_argument("--threads", metavar="N", type=argtypes.integer(1), default=1,
                    help="torch threads for --measure (one core per worker)")
-    p.add_argument("--density", type=argtypes.number(0, 1, low_open=True), default=1e-2,
-                   help="message size as a fraction of a float32 buffer (the SGD default TopK() is 0.015: 2%% of entries at 3 bytes)")
-    p.add_argument("--powersgd-rank", type=argtypes.integer(1), default=2, help="PowerSGD's matrix rank")
-    p.add_argument("--averaging-period", type=argtypes.integer(1),
-                   help="fix the averaging period instead of suggesting one")
-    p.add_argument("--optimizer-state", type=argtypes.number(0), default=0.0,
+    tk = TopK()
+    p.add_argument("--density", metavar="FRACTION", type=argtypes.number(0, 1, low_open=True),
+                   help="gradshare's message size as a fraction of a float32 buffer (default: what TopK() sends "
+                        f"after its warm-up, {100 * tk.density:g}%% of entries at {_entry_bytes(tk)} bytes each: "
+                        f"about {message_density(tk, 10**7):.3g})")
+    p.add_argument("--powersgd-rank", metavar="R", type=argtypes.integer(1), default=2, help="PowerSGD's matrix rank")
+    p.add_argument("--frequency", type=argtypes.integer(1), metavar="STEPS",
+                   help="model averaging every STEPS steps instead of suggesting a frequency")
+    p.add_argument("--averaging-period", dest="frequency", type=argtypes.integer(1), action=argtypes.FormerName,
+                   new="--frequency")
+    p.add_argument("--optimizer-state", metavar="BUFFERS", type=argtypes.number(0), default=0.0,
                    help="parameter-sized optimizer buffers averaged too (momentum 1, Adam 2)")
-    p.add_argument("--overlap", type=argtypes.number(0, 1), default=0.0,
+    p.add_argument("--overlap", metavar="FRACTION", type=argtypes.number(0, 1), default=0.0,
                    help="share of compute that hides a DDP allreduce (0 = none, 1 = fully overlapped)")
-    p.add_argument("--encode-ns", type=argtypes.number(0), default=cm.ENCODE_SECONDS_PER_ELEMENT * 1e9,
-                   help="gradshare encode cost per element, ns (default measured on one loaded core)")
+    p.add_argument("--encode-ns", metavar="NS", type=argtypes.number(0), default=cm.ENCODE_SECONDS_PER_ELEMENT * 1e9,
+                   help="gradshare encode cost per element, ns (default: %(default)g, measured on one loaded core)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -129,22 +197,22 @@ def dl4j_band(compute: float) -> Tuple[str, str]:
     return "sub-linear", f"{ms:.3g} ms per step (1-100 ms; ~10 ms scales sub-linearly)"
 
 
-def suggest_averaging_period(params: int, workers: int, link: cm.Link, compute: float,
-                             optimizer_state_factor: float = 0.0) -> Tuple[Optional[int], str]:
-    """Smallest period k <= 20 whose amortised averaging traffic costs <= 10% of compute (None if none)."""
+def suggest_frequency(params: int, workers: int, link: cm.Link, compute: float,
+                      optimizer_state_factor: float = 0.0) -> Tuple[Optional[int], str]:
+    """Smallest averaging frequency k <= 20 whose amortised traffic costs <= 10% of compute (None if none)."""
     if workers < 2:
         return None, "one worker: nothing to average"
     full = link.time(cm.dense_allreduce_bytes(workers, params) * (1 + optimizer_state_factor), 2 * (workers - 1))
     k = max(1, math.ceil(full / (COMM_BUDGET * compute))) if compute > 0 else None
-    if k is None or k > MAX_AVERAGING_PERIOD:
+    if k is None or k > MAX_FREQUENCY:
         return None, (f"averaging takes {full * 1e3:.3g} ms; keeping it under {COMM_BUDGET:.0%} of compute needs "
-                      f"a period above {MAX_AVERAGING_PERIOD} steps, where convergence suffers (DL4J)")
+                      f"more than {MAX_FREQUENCY} steps between rounds, where convergence suffers (DL4J)")
     return k, (f"average every {k} step(s): {full * 1e3:.3g} ms per averaging, {full / k * 1e3:.3g} ms per step "
-               f"amortised (<= {COMM_BUDGET:.0%} of compute); DL4J default 5, keep <= {MAX_AVERAGING_PERIOD}")
+               f"amortised (<= {COMM_BUDGET:.0%} of compute); DL4J default 5, keep <= {MAX_FREQUENCY}")
 
 
 def fitting_density(params: int, workers: int, link: cm.Link, compute: float) -> float:
-    """Largest message density whose all-gather costs <= 10% of compute (may be 0)."""
+    """Largest message size (a fraction of a float32 buffer) whose all-gather costs <= 10% of compute (may be 0)."""
     if workers < 2 or params == 0:
         return 1.0
     budget = COMM_BUDGET * compute - 2 * (workers - 1) * link.latency
@@ -154,47 +222,66 @@ def fitting_density(params: int, workers: int, link: cm.Link, compute: float) ->
 
 
 def suggest_compression(params: int, workers: int, link: cm.Link, compute: float, density: float) -> dict:
-    """What sharing should send on this link (gradshare.compression): the defaults when the link carries them
-    within 10% of compute, else a TopK density that fits, else parameter averaging."""
+    """What sharing should send on this link (gradshare.compression), from the defaults' own message sizes
+    (TopK() for SGD, Ternary() for Adam-like optimizers): the defaults when their messages cost <= 10% of
+    compute, else the densest TopK that fits, down to MIN_TOPK_DENSITY, else parameter averaging or local
+    steps. ``density``: the message size the sharing row was modelled at (for the crossover)."""
     fit = fitting_density(params, workers, link, compute)
     crossover = cm.sharing_crossover_workers(density)
-    out = {"fitting_density": fit, "crossover_workers": crossover}
-    ternary = 1.0 / 16   # a ternary message is as large as a top-k one of this density
+    tk, tern = TopK(), Ternary()
+    sent = tk                                    # the TopK the advice sends, for its warm-up
+    topk_size, ternary_size = message_density(tk, params), message_density(tern, params)
+    out = {"fitting_density": fit, "crossover_workers": crossover, "topk_default_density": tk.density,
+           "topk_default_message": topk_size, "ternary_message": ternary_size}
     if workers >= crossover:
         out.update(algorithm="ThresholdState(optimizer=opt)", why=(
-            f"at {workers} workers the all-gather of density-{density:g} messages moves more than a dense allreduce "
-            f"(N > 2/d = {crossover:g}): gradshare falls back to the dense allreduce on those steps; "
-            f"parameter averaging or fewer, larger workers suit this better"))
-    elif fit >= ternary:
+            f"at {workers} workers the all-gather of messages of {density:.3g} of a float32 buffer moves more than "
+            f"a dense allreduce (N > 2/d = {crossover:.3g}): gradshare falls back to the dense allreduce on those "
+            f"steps; parameter averaging or fewer, larger workers suit this better"))
+    elif fit >= ternary_size:
         out.update(algorithm="ThresholdState(optimizer=opt) (TopK() for SGD, Ternary() for Adam)",
-                   why="the defaults: even a ternary message (2 bits an element) costs <= 10% of compute on this link")
-    elif fit >= 1e-2:
-        out.update(algorithm="ThresholdState(optimizer=opt, compression=gradshare.TopK(0.01))",
-                   why=f"TopK(0.01) (3 bytes an entry) fits in 10% of compute; the SGD default TopK() (2%) and Adam's "
-                       f"ternary messages (density {ternary:g} worth) do not. TopK trains Adam worse than Ternary "
-                       f"(README, Training quality): for Adam consider averaging")
-    elif fit >= 1e-3:
-        d = float(f"{fit:.1g}")
-        d = d if d <= fit else fit
-        out.update(algorithm=f"compression=TopK({d:.2g})",
-                   why=f"10% of compute carries messages of density {fit:.2g} at most: send that fraction")
+                   why=f"the defaults: even a ternary message ({ternary_size:.3g} of a float32 buffer) costs "
+                       f"<= {COMM_BUDGET:.0%} of compute on this link")
+    elif fit >= topk_size:
+        out.update(algorithm="ThresholdState(optimizer=opt) (SGD: TopK())",
+                   why=f"TopK() ({100 * tk.density:g}% of entries, {topk_size:.3g} of a float32 buffer) costs "
+                       f"<= {COMM_BUDGET:.0%} of compute; Adam's Ternary() ({ternary_size:.3g}) does not: "
+                       f"{ADAM_ADVICE}")
     else:
-        out.update(algorithm="ParameterAveraging (or TopK(0.001))",
-                   why=(f"10% of compute carries messages of density {fit:.2g} at most: per-step sharing below 1e-3 "
-                        f"trains noticeably worse; average every few steps instead"))
+        d = _one_digit_down(topk_density_within(fit, params))       # TopK(0.004), not TopK(0.00437...)
+        if d >= MIN_TOPK_DENSITY:
+            sent = TopK(d)
+            out.update(algorithm=f"ThresholdState(optimizer=opt, compression=gradshare.TopK({d:g}))",
+                       why=f"{COMM_BUDGET:.0%} of compute carries TopK({d:g}) ({message_density(sent, params):.3g} "
+                           f"of a float32 buffer) but not the default TopK() ({topk_size:.3g}); {ADAM_ADVICE}")
+        else:
+            out.update(algorithm="ParameterAveraging (local steps)",
+                       why=f"{COMM_BUDGET:.0%} of compute carries messages of {fit:.2g} of a float32 buffer at most, "
+                           f"less than TopK({MIN_TOPK_DENSITY:g}) sends: per-step sharing that sparse trains "
+                           f"noticeably worse; average every few steps instead")
+    if sent.warmup_steps and "TopK" in out["algorithm"]:
+        steps = warmup_bytes(params, sent) * (workers - 1) / cm.dense_allreduce_bytes(max(2, workers), params)
+        out["warmup"] = (f"TopK's warm-up (its first {sent.warmup_steps} steps, from {100 * sent.warmup_density:g}% "
+                         f"down to {100 * sent.density:g}% of entries) sends about {steps:.2g} dense allreduce steps' "
+                         f"worth of bytes more, once")
     return out
 
 
+@renamed_kwargs(averaging_period="frequency")
 def make_plan(params: int, workers: int, bandwidth: float, compute: float, *, latency: float = cm.LATENCY_SECONDS,
-              efficiency: float = cm.LINK_EFFICIENCY, density: float = 1e-2, powersgd_rank: int = 2, shapes=None,
-              averaging_period: Optional[int] = None, optimizer_state_factor: float = 0.0,
+              efficiency: float = cm.LINK_EFFICIENCY, density: Optional[float] = None, powersgd_rank: int = 2,
+              shapes=None, frequency: Optional[int] = None, optimizer_state_factor: float = 0.0,
               overlap: float = 0.0, encode_per_element: float = cm.ENCODE_SECONDS_PER_ELEMENT) -> dict:
-    """The whole plan as a dict (what --json prints)."""
+    """The whole plan as a dict (what --json prints). ``density``: gradshare's message size as a fraction of
+    a float32 buffer (default: what TopK() sends after its warm-up); ``frequency``: model averaging every
+    that many steps (default: suggested)."""
+    if density is None:
+        density = message_density(TopK(), params)
     link = cm.Link(bandwidth=bandwidth, latency=latency, efficiency=efficiency)
-    k_suggested, k_why = suggest_averaging_period(params, workers, link, compute, optimizer_state_factor)
-    period = averaging_period or k_suggested or MAX_AVERAGING_PERIOD
+    k_suggested, k_why = suggest_frequency(params, workers, link, compute, optimizer_state_factor)
+    modelled = frequency or k_suggested or MAX_FREQUENCY
     costs = cm.scheme_costs(params, workers, link, compute, density=density, powersgd_rank=powersgd_rank,
-                            shapes=shapes, averaging_period=period, optimizer_state_factor=optimizer_state_factor,
+                            shapes=shapes, frequency=modelled, optimizer_state_factor=optimizer_state_factor,
                             overlap=overlap, encode_per_element=encode_per_element)
     schemes = []
     for c in costs:
@@ -219,13 +306,17 @@ def make_plan(params: int, workers: int, bandwidth: float, compute: float, *, la
     elif by_name["allreduce"]["step_time"] <= ALLREDUCE_TOLERANCE * best["step_time"]:
         choice = "allreduce"
         reasons.append(f"dense allreduce is within {ALLREDUCE_TOLERANCE - 1:.0%} of the fastest scheme "
-                       f"({best['name']}): compression would buy little and costs accuracy risk")
+                       f"({best['name']}): the step is compute-bound, compression would buy little and costs "
+                       f"accuracy risk")
     else:
         choice = best["name"]
         ar = by_name["allreduce"]
         reasons.append(f"{choice} is fastest: {best['step_time'] * 1e3:.4g} ms per step against "
                        f"{ar['step_time'] * 1e3:.4g} ms for dense allreduce "
                        f"({ar['step_time'] / best['step_time']:.3g}x), {best['bytes_per_step']:.4g} bytes per step")
+        if choice == "sharing":
+            reasons.append("ThresholdState(optimizer=opt) is link-aware: on steps where compressing turns out "
+                           "slower than DDP's all-reduce on this link, it takes the all-reduce")
         if choice == "powersgd" and shapes is None:
             reasons.append("PowerSGD bytes are a square-matrix estimate without --model; real models move more")
     if choice in ("sharing", "averaging", "powersgd", "fp16"):
@@ -236,14 +327,15 @@ def make_plan(params: int, workers: int, bandwidth: float, compute: float, *, la
         "dl4j_band": band, "recommendation": choice, "reasons": reasons,
         "schemes": schemes,
         "compression": suggest_compression(params, workers, link, compute, density),
-        "averaging": {"period": k_suggested, "why": k_why, "modelled_period": period},
+        "averaging": {"frequency": k_suggested, "why": k_why, "modelled_frequency": modelled},
         "sparse_allgather_crossover_workers": cm.sharing_crossover_workers(density),
     }
 
 
 def format_plan(plan: dict) -> str:
     lines = [f"gradshare plan: {plan['params']:,} parameters, {plan['workers']} workers, "
-             f"{plan['bandwidth_bps'] / 1e6:g} Mbit/s, compute {plan['compute_s'] * 1e3:.4g} ms per step",
+             f"{plan['bandwidth_bps'] / 1e6:g} Mbit/s, compute {plan['compute_s'] * 1e3:.4g} ms per step, "
+             f"sharing modelled at messages of {plan['density']:.3g} of a float32 buffer",
              "",
              f"{'scheme':<10} {'bytes/step':>12} {'comm ms':>9} {'encode ms':>9} {'step ms':>9} {'speedup':>8}  note"]
     for s in plan["schemes"]:
@@ -253,9 +345,12 @@ def format_plan(plan: dict) -> str:
     lines += [f"  - {r}" for r in plan["reasons"]]
     th = plan["compression"]
     lines.append(f"sharing: {th['algorithm']} -- {th['why']}")
-    lines.append(f"averaging period: {plan['averaging']['period']} -- {plan['averaging']['why']}")
+    if th.get("warmup"):
+        lines.append(f"  - {th['warmup']}")
+    avg = plan["averaging"]
+    lines.append(f"averaging frequency: {avg['frequency'] if avg['frequency'] else 'none fits'} -- {avg['why']}")
     lines.append(f"sparse all-gather beats the dense allreduce only below N = 2/d = "
-                 f"{plan['sparse_allgather_crossover_workers']:g} workers; above it gradshare sends dense")
+                 f"{plan['sparse_allgather_crossover_workers']:.3g} workers; above it gradshare sends dense")
     return "\n".join(lines)
 
 
@@ -297,7 +392,7 @@ def run(args) -> int:
         return _refuse("give --step-time MS or --measure")
     plan = make_plan(params, args.workers, args.bandwidth, compute,
                      latency=args.latency_ms / 1e3, efficiency=args.efficiency, density=args.density,
-                     powersgd_rank=args.powersgd_rank, shapes=shapes, averaging_period=args.averaging_period,
+                     powersgd_rank=args.powersgd_rank, shapes=shapes, frequency=args.frequency,
                      optimizer_state_factor=args.optimizer_state, overlap=args.overlap,
                      encode_per_element=args.encode_ns * 1e-9)
     plan["measured"] = bool(args.measure)

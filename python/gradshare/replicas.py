@@ -14,6 +14,8 @@ from typing import Dict, Iterable, List, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from gradshare._deprecation import renamed_kwargs
+
 
 class ReplicaMismatchError(RuntimeError):
     """Ranks hold different parameters; ``name`` is the first differing one, ``ranks`` those that differ."""
@@ -55,14 +57,16 @@ def parameter_digests(model_or_params: Union[torch.nn.Module, Iterable[torch.Ten
     return [(n, _digest(t)) for n, t in _named(model_or_params, include_buffers)]
 
 
-def _device(group) -> torch.device:
-    if dist.get_backend(group) == "nccl":
+def _device(process_group) -> torch.device:
+    if dist.get_backend(process_group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def verify_replicas(model_or_params, group=None, *, include_buffers: bool = False) -> int:
-    """Raises ReplicaMismatchError unless every rank of ``group`` holds bitwise equal parameters.
+@renamed_kwargs(group="process_group")
+def verify_replicas(model_or_params, process_group=None, *, include_buffers: bool = False) -> int:
+    """Raises ReplicaMismatchError unless every rank of ``process_group`` (None: the default group; ``group``
+    is its former name) holds bitwise equal parameters.
 
     ``model_or_params``: an nn.Module (DDP-wrapped or not; parameters by name), an iterable of tensors,
     or a dict name -> tensor. ``include_buffers``: hash module buffers too (BatchNorm statistics are not
@@ -70,8 +74,8 @@ def verify_replicas(model_or_params, group=None, *, include_buffers: bool = Fals
     Every rank must call it (it is a collective).
     """
     items = parameter_digests(model_or_params, include_buffers)
-    world = dist.get_world_size(group)
-    dev = _device(group)
+    world = dist.get_world_size(process_group)
+    dev = _device(process_group)
     h = hashlib.blake2b(digest_size=8)
     for _, d in items:
         h.update(d.to_bytes(8, "little", signed=True))
@@ -79,7 +83,7 @@ def verify_replicas(model_or_params, group=None, *, include_buffers: bool = Fals
     head = torch.tensor([len(items), total], dtype=torch.int64, device=dev)
     heads = torch.empty(world * 2, dtype=torch.int64, device=dev)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(heads, head, group=group)
+    gather(heads, head, group=process_group)
     table = heads.view(world, 2).tolist()
     counts = [r[0] for r in table]
     if len(set(counts)) != 1:
@@ -89,7 +93,7 @@ def verify_replicas(model_or_params, group=None, *, include_buffers: bool = Fals
         return total
     mine = torch.tensor([d for _, d in items], dtype=torch.int64, device=dev)
     every = torch.empty(world * len(items), dtype=torch.int64, device=dev)
-    gather(every, mine, group=group)
+    gather(every, mine, group=process_group)
     rows = every.view(world, len(items)).tolist()
     for j, (name, _) in enumerate(items):
         differ = [r for r in range(1, world) if rows[r][j] != rows[0][j]]

@@ -340,7 +340,7 @@ class Sharing:
         if b.velocity is not None:               # momentum correction: encode u = m*u + g
             update = torch.mul(b.velocity, self.momentum, out=b.velocity_spare).add_(update.view(-1))
         b.in_step = True
-        return exchange_async(update, b.residual, encoder=b.compression, out=out, group=self.process_group,
+        return exchange_async(update, b.residual, encoder=b.compression, out=out, process_group=self.process_group,
                               average=self.reduce == "mean", fallback=self.fallback, nonfinite=self.nonfinite,
                               step=self.step, name=name, kept=b.spare)
 

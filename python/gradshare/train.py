@@ -1,25 +1,20 @@
 """Train a small CNN data-parallel with threshold gradient sharing or parameter averaging, then report
 the test accuracy, the wall time and the bytes sent against what dense all-reduce would have sent.
 
-With no options: 2 local workers share their optimizer's updates to train a small CNN on scikit-learn's
-bundled handwritten digits. `--data mnist:PATH` reads the MNIST idx files in PATH.
+With no options, 2 local workers share their optimizer's updates to train a small CNN on scikit-learn's
+bundled handwritten digits; --data mnist:PATH reads the MNIST idx files in PATH instead.
 
-`--launcher` picks the engine that starts the workers (gradshare.launchers); each runs the same per-rank
-:func:`train_job`, so a run with the same options and seed gives the same model on each:
+--launcher picks what starts the workers. Each worker runs the same per-rank function
+(gradshare.train.train_job), so a run with the same options and seed gives the same model whichever starts it:
+- local (the default): --workers processes on this machine.
+- torchrun: python -m torch.distributed.run --nproc_per_node=WORKERS, either --standalone or one node of a
+  multi-host job (--nnodes, --node-rank, --rdzv-endpoint). --print-command shows the command; running it
+  on each host, with --nnodes, --node_rank and --rdzv_* added, is the same job launched by hand.
+- spark: Spark's TorchDistributor (needs pip install gradshare[spark]).
 
-- ``local`` (default): ``--workers`` processes on this machine (gradshare.parallel.launch_local).
-- ``torchrun``: ``python -m torch.distributed.run --nproc_per_node=WORKERS`` (``--standalone``, or one node of
-  a multi-host job with ``--nnodes/--node-rank/--rdzv-endpoint``), running
-  ``-m gradshare.cluster gradshare.train:train_job`` with the options as ``--config`` JSON.
-  ``--print-command`` shows that command; running it on each host (with ``--nnodes``, ``--node_rank``,
-  ``--rdzv_*`` added) is the same job launched by hand.
-- ``spark``: ``gradshare.spark.run(gradshare.cluster.run, train_job, options, master=...)`` through
-  TorchDistributor (``pip install gradshare[spark]``).
-
-``--checkpoint-every N`` saves a checkpoint every N steps into ``--checkpoint-dir`` (default: a temporary
-directory removed after a successful run). With ``--max-restarts K`` torchrun restarts all workers after a
-failure and Spark reruns the job (``gradshare.spark.run(max_retries=K)``); both resume from the newest
-complete checkpoint.
+--checkpoint-every N saves a checkpoint every N steps into --checkpoint-dir (by default a temporary
+folder, removed after a successful run). With --max-restarts K, torchrun restarts all workers after a
+failure and Spark reruns the job, up to K times; both resume from the newest complete checkpoint.
 """
 from __future__ import annotations
 
@@ -80,38 +75,45 @@ def _compression_arg(spec: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=argtypes.integer(1), default=2, help="worker processes")
+    p.add_argument("--workers", type=argtypes.integer(1), default=2, metavar="N", help="worker processes")
     p.add_argument("--mode", choices=MODES, default="shared_gradients",
-                   help="shared_gradients: every step shares compressed updates; averaging: parameters and "
-                        "optimizer state averaged every --averaging-frequency steps; diloco: local steps, the "
-                        "averaged change applied by an outer Nesterov optimizer; sparse_local: local steps, the "
-                        "change's top entries shared with error feedback")
-    p.add_argument("--epochs", type=argtypes.integer(1), default=12, help="passes over the training set")
-    p.add_argument("--batch-size", type=argtypes.integer(1), default=32, help="samples per worker per step")
+                   help="shared_gradients: every step shares compressed updates\n"
+                        "averaging: parameters and optimizer state averaged every --frequency steps\n"
+                        "diloco: local steps, the averaged change applied by an outer Nesterov optimizer\n"
+                        "sparse_local: local steps, the change's top entries shared with error feedback")
+    p.add_argument("--epochs", type=argtypes.integer(1), default=12, metavar="N", help="passes over the training set")
+    p.add_argument("--batch-size", type=argtypes.integer(1), default=32, metavar="N",
+                   help="samples per worker per step")
     p.add_argument("--lr", type=argtypes.number(0, low_open=True), default=3e-3, help="learning rate")
     p.add_argument("--optimizer", choices=["adam", "sgd"], default="adam",
                    help="inner optimizer (sgd: momentum 0.9)")
     p.add_argument("--share", choices=["updates", "gradients"], default="updates",
                    help="what sharing encodes: the optimizer's updates (each rank's optimizer state stays local) or "
                         "the gradients (optimizer state identical everywhere)")
-    p.add_argument("--compression", "--threshold", dest="compression", type=_compression_arg, default="auto",
-                   help="what sharing sends: auto (chosen for the optimizer) | topk[:DENSITY] | ternary[:FRACTION] | "
-                        "target:DENSITY | fixed:TAU | adaptive[:INITIAL_TAU] (--threshold is its former name)")
+    p.add_argument("--compression", type=_compression_arg, default="auto", metavar="SPEC",
+                   help="what sharing sends, one of:\n"
+                        "auto: chosen for the optimizer\n"
+                        "topk[:DENSITY], ternary[:FRACTION], target:DENSITY\n"
+                        "fixed:TAU, adaptive[:INITIAL_TAU]: DL4J's +-tau thresholds")
+    p.add_argument("--threshold", dest="compression", type=_compression_arg, action=argtypes.FormerName,
+                   new="--compression")
     p.add_argument("--link", choices=["auto", "off"], default="auto",
                    help="shared_gradients with --compression auto: auto measures the link and steps by a float32 "
                         "all-reduce where compressing is slower; off compresses every step (runs repeat bit for bit)")
-    p.add_argument("--averaging-frequency", type=argtypes.integer(1), default=5,
-                   help="steps between rounds (averaging, diloco, sparse_local)")
+    p.add_argument("--frequency", type=argtypes.integer(1), default=5, metavar="STEPS",
+                   help="steps between averaging rounds (averaging, diloco, sparse_local)")
+    p.add_argument("--averaging-frequency", dest="frequency", type=argtypes.integer(1), action=argtypes.FormerName,
+                   new="--frequency")
     p.add_argument("--outer-lr", type=argtypes.number(0, low_open=True), metavar="LR",
-                   help=f"diloco, sparse_local: the outer optimizer's learning rate (diloco default {DILOCO_OUTER[0]}; "
-                        "sparse_local default: none, the mean change is applied as it is)")
+                   help=f"diloco, sparse_local: the outer optimizer's learning rate (default: {DILOCO_OUTER[0]} for "
+                        "diloco; none for sparse_local, which applies the mean change as it is)")
     p.add_argument("--outer-momentum", type=argtypes.number(0, 1, high_open=True), metavar="M",
-                   help=f"diloco, sparse_local: the outer optimizer's Nesterov momentum (diloco default {DILOCO_OUTER[1]}, "
-                        "sparse_local default 0)")
+                   help="diloco, sparse_local: the outer optimizer's Nesterov momentum "
+                        f"(default: {DILOCO_OUTER[1]} for diloco, 0 for sparse_local)")
     p.add_argument("--residual-decay", type=argtypes.number(0, 1, low_open=True), metavar="BETA",
-                   help=f"sparse_local: the error-feedback decay (default {SPARSE_LOCAL_DECAY})")
-    p.add_argument("--data", type=argtypes.data_spec, default="digits",
-                   help="digits | mnist:PATH (idx files, .gz or not)")
+                   help=f"sparse_local: the error-feedback decay (default: {SPARSE_LOCAL_DECAY})")
+    p.add_argument("--data", type=argtypes.data_spec, default="digits", metavar="DATA",
+                   help="digits, or mnist:PATH (a folder of MNIST idx files, .gz or not)")
     p.add_argument("--seed", type=argtypes.integer(0), default=0, help="model initialisation, data split and order")
     p.add_argument("--metrics", metavar="CSV", help="write per-step statistics (rank 0) to this CSV file")
     p.add_argument("--plot", metavar="PNG", help="plot loss, accuracy and bytes per step (needs matplotlib)")
@@ -120,30 +122,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpoints and restarts (all launchers)")
     g.add_argument("--checkpoint-dir", metavar="DIR",
                    help="where rank 0 keeps checkpoints; an existing checkpoint there is resumed "
-                        "(default: a temporary directory, removed after a successful run)")
+                        "(default: a temporary folder, removed after a successful run)")
     g.add_argument("--checkpoint-every", type=argtypes.integer(0), metavar="STEPS",
-                   help="steps between checkpoints (default: 0 = none, or 100 with --max-restarts)")
+                   help="steps between checkpoints (default: 0, none; 100 with --max-restarts)")
     g.add_argument("--max-restarts", type=argtypes.integer(0), default=0, metavar="K",
                    help="torchrun: restart all workers up to K times after a failure; spark: rerun the job up "
                         "to K times; both resume from the newest checkpoint")
     g.add_argument("--timeout", type=argtypes.number(0, low_open=True), default=86400.0, metavar="SECONDS",
-                   help="local and torchrun: stop the run after this long (default one day)")
+                   help="local and torchrun: stop the run after this long (default: 86400, one day)")
     g.add_argument("--collective-timeout", type=argtypes.number(0, low_open=True), default=300.0, metavar="SECONDS",
                    help="torchrun and spark: a collective waiting on a dead or stuck peer fails after this long")
     g = p.add_argument_group("torchrun launcher")
-    g.add_argument("--nnodes", default="1", help="torchrun nodes (hosts), N or MIN:MAX; >1 needs --rdzv-endpoint")
-    g.add_argument("--node-rank", type=argtypes.integer(0), default=0, help="this host's node rank")
+    g.add_argument("--nnodes", default="1", metavar="N",
+                   help="torchrun nodes (hosts), N or MIN:MAX; more than 1 needs --rdzv-endpoint")
+    g.add_argument("--node-rank", type=argtypes.integer(0), default=0, metavar="RANK", help="this host's node rank")
     g.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
-                   help="rendezvous address (on the first host); default: --standalone on this host")
-    g.add_argument("--rdzv-backend", default="c10d", help="torchrun rendezvous backend (with --rdzv-endpoint)")
-    g.add_argument("--rdzv-id", default="gradshare-train", help="job id shared by all nodes")
+                   help="rendezvous address (on the first host); without it, --standalone on this host")
+    g.add_argument("--rdzv-backend", default="c10d", metavar="NAME",
+                   help="torchrun rendezvous backend (with --rdzv-endpoint)")
+    g.add_argument("--rdzv-id", default="gradshare-train", metavar="ID", help="job id shared by all nodes")
     g.add_argument("--torchrun-arg", action="append", default=[], metavar="ARG",
                    help="extra torchrun option, e.g. --torchrun-arg=--local_addr=10.0.0.2 (repeatable)")
     g.add_argument("--print-command", action="store_true",
                    help="print the torchrun command this host would run, and exit")
     g = p.add_argument_group("spark launcher")
     g.add_argument("--spark-master", metavar="URL",
-                   help="Spark master (default local[WORKERS]); e.g. spark://host:7077, local-cluster[2,1,1024]")
+                   help="Spark master, e.g. spark://host:7077 or local-cluster[2,1,1024] (default: local[WORKERS])")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -151,7 +155,7 @@ def options_from_args(args: argparse.Namespace) -> Dict[str, Any]:
     """The run's options as a JSON-able dict (what a cluster launcher hands to :func:`train_job`)."""
     return {"workers": args.workers, "mode": args.mode, "epochs": args.epochs,
             "batch_size": args.batch_size, "lr": args.lr, "optimizer": args.optimizer, "share": args.share,
-            "compression": args.compression, "link": args.link, "averaging_frequency": args.averaging_frequency,
+            "compression": args.compression, "link": args.link, "frequency": args.frequency,
             "data": args.data,
             "seed": args.seed, "progress": not args.no_progress, "outer_lr": args.outer_lr,
             "outer_momentum": args.outer_momentum, "residual_decay": args.residual_decay}
@@ -183,7 +187,8 @@ def local_steps_options(opts: Dict[str, Any]) -> Dict[str, Any]:
 
 def build_config(opts: Dict[str, Any]) -> TrainConfig:
     """TrainConfig for the options (missing ones take the command's defaults): SmallCNN sized for the
-    data, Adam or SGD (momentum 0.9)."""
+    data, Adam or SGD (momentum 0.9). The keys' former names (averaging_frequency, threshold) are read too:
+    options written by an earlier version still run."""
     from gradshare.models import SmallCNN
 
     torch.manual_seed(int(opts.get("seed", 0)))
@@ -204,7 +209,7 @@ def build_config(opts: Dict[str, Any]) -> TrainConfig:
     return TrainConfig(model=model, optimizer=optimizer, train_data=data, validation_data=data,
                        epochs=int(opts.get("epochs", 12)), batch_size=int(opts.get("batch_size", 32)),
                        shared=opts.get("share", "updates"),
-                       averaging_frequency=int(opts.get("averaging_frequency", 5)),
+                       frequency=int(opts.get("frequency", opts.get("averaging_frequency", 5))),
                        metrics=("loss", "accuracy"), seed=int(opts.get("seed", 0)),
                        progress=bool(opts.get("progress", True)), **extra)
 
@@ -341,7 +346,7 @@ def _run_and_report(args: argparse.Namespace, opts: Dict[str, Any], launch: Dict
     print(f"gradshare train: SmallCNN on {opts['data']}, {opts['workers']} {args.launcher} workers, "
           f"{opts['mode']}" + (f" ({opts['share']}, compression {opts['compression']})"
                                if opts["mode"] == "shared_gradients"
-                               else f" (every {opts['averaging_frequency']} steps{_local_steps_text(opts)})")
+                               else f" (every {opts['frequency']} steps{_local_steps_text(opts)})")
           + f", {opts['optimizer']} lr {opts['lr']:g}, {opts['epochs']} epochs, batch {opts['batch_size']} per worker",
           flush=True)
     t0 = time.perf_counter()

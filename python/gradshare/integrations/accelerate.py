@@ -10,7 +10,7 @@ exchanging gradients is what limits the step. One line after ``prepare``::
 ``ThresholdState(optimizer=...)`` built on the torch optimizer inside Accelerate's AcceleratedOptimizer:
 gradshare shares the optimizer's updates ("updates" mode), with the compression chosen for that optimizer
 and the link-aware choice of gradshare.link. Keyword arguments go to ThresholdState (compression=, link=,
-nonfinite=, bucket_cap_mb=, stats=, ...). It returns the ThresholdState (``state.stats``, ``state.iteration``).
+nonfinite=, bucket_cap_mb=, stats=, ...). It returns the ThresholdState (``state.stats``, ``state.step_count``).
 Call it before the first backward and before ``accelerator.load_state``. Accelerate's own
 ``DistributedDataParallelKwargs(comm_hook=...)`` must be left unset: DDP takes one hook.
 
@@ -95,7 +95,7 @@ def share(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optimiz
         # Runs on every process (save_state is called by all of them), unlike Accelerate's own saves.
         entry = {"sharing": state.state_dict(), "optimizer": inner.state_dict()}
         write_atomic({"state": {"rank": rank}, "ranks": [entry]}, state_file(output_dir, rank, index),
-                     step=state.iteration, world_size=world)
+                     step=state.step_count, world_size=world)
 
     def load_pre_hook(models, input_dir) -> None:
         pending.clear()

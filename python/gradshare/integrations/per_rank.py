@@ -9,10 +9,13 @@ from typing import Any
 
 import torch
 
+from gradshare._deprecation import renamed_from
 from gradshare.hooks import ThresholdState
 
-# The ThresholdState keyword arguments an integration passes through (it supplies the group and optimizer).
-STATE_OPTIONS = frozenset(inspect.signature(ThresholdState).parameters) - {"process_group", "optimizer"}
+# The ThresholdState keyword arguments an integration passes through (it supplies the group and optimizer),
+# former names included.
+STATE_OPTIONS = (frozenset(inspect.signature(ThresholdState).parameters)
+                 | frozenset(renamed_from(ThresholdState.__init__))) - {"process_group", "optimizer"}
 
 
 def check_world_size(saved: int, world: int, where: str = "the checkpoint") -> None:
