@@ -6,8 +6,8 @@ to a step, not the time it saves on a slow link, which bench/e2e.py measures). E
 barrier; the median over ``--steps`` steps after ``--warmup`` is reported, with its ratio to DDP's median
 from the same run. The defaults are link-aware (gradshare.link: on this loopback link they settle on DDP's
 all-reduce; the compressed probes they run from time to time fall outside the median);
-``--compression compressed`` turns that off (link=None) to time the compressed step. ``--compression topk`` gives every gradshare contender TopK(0.01, bf16 values, no
-warm-up), a policy every gradshare version has, so that two versions can be compared: run the script once
+``--compression compressed`` turns that off (link=None) to time the compressed step. ``--compression topk`` gives every gradshare contender TopK(0.01, 4096-element chunks,
+bf16 values, no warm-up), a policy every gradshare version has, so that two versions can be compared: run the script once
 per version (``PYTHONPATH=<its python dir>``) and compare the ratios.
 
     python bench/step.py --repeat 3
@@ -46,7 +46,7 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
 
     def sharing_kwargs():
         if args.compression == "topk":
-            return {"compression": TopK(0.01, values="bf16", warmup_steps=0)}
+            return {"compression": TopK(0.01, chunk=4096, values="bf16", warmup_steps=0)}
         return {"link": None} if args.compression == "compressed" else {}
 
     g = torch.Generator().manual_seed(rank)
@@ -94,7 +94,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="whole runs, each with its own DDP baseline")
     p.add_argument("--compression", choices=("default", "compressed", "topk"), default="default",
                    help="default: gradshare's defaults (link-aware); compressed: the defaults with link=None "
-                        "(compression at every step); topk: TopK(0.01, bf16 values, no warm-up)")
+                        "(compression at every step); topk: TopK(0.01, 4096-element chunks, bf16 values, "
+                        "no warm-up)")
     p.add_argument("--port", type=int, default=29811)
     p.add_argument("--json", help="write every run's medians here")
     args = p.parse_args(argv)

@@ -25,9 +25,9 @@ pseudo-gradient) through gradshare's sharing core (gradshare.sharing), with erro
   exactly the mean change) or handed to the outer optimizer.
 
 Adam and AdamW: each inner step is rescaled to the second moment of the global batch (W ranks' batches),
-estimated from the rank's own moments (gradshare.second_moment), and a round that averages optimizer state
-averages each rank's estimate of the global batch's second moment, not its own: averaging W ranks' steps
-then moves the model as much as one Adam on the global batch would.
+estimated from the rank's own moments (gradshare.second_moment): averaging W ranks' steps then moves the
+model as much as one Adam on the global batch would. A round that averages optimizer state averages the
+ranks' own second moments, which the next inner steps read as such.
 
 Floating buffers (BatchNorm statistics) are averaged densely at each round in every mode. With one rank
 nothing is sent; an outer optimizer still applies the rank's own change, so a run means the same on 1 or
@@ -165,15 +165,13 @@ class ParameterAveraging(WrappedOptimizer):
         return [dst for _, dst in self._averaged()]
 
     def _averaged(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """(what this rank contributes, where the mean goes) for each tensor of :meth:`tensors`: the tensor
-        itself, except Adam's exp_avg_sq, which goes in as this rank's estimate of the global batch's."""
-        out = [(p.data, p.data) for p in self.model.parameters()]
-        out += [(b, b) for b in self.model.buffers() if b.is_floating_point()]
+        """(what this rank contributes, where the mean goes) for each tensor of :meth:`tensors`."""
+        ts = [p.data for p in self.model.parameters()] + [b for b in self.model.buffers() if b.is_floating_point()]
         if self.average_optimizer_state:
             # Per-element state only: 0-dim tensors are counters such as Adam's "step".
             params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            out += second_moment.averaged_state(self.optimizer, params, self.world_size, per_element=False)
-        return out
+            ts += [t for _, _, t in second_moment.state_tensors(self.optimizer, params, per_element=False)]
+        return [(t, t) for t in ts]
 
     def _flatten(self, ts: List[torch.Tensor]) -> torch.Tensor:
         n = sum(t.numel() for t in ts)

@@ -17,8 +17,16 @@ estimated from the rank's own bias-corrected moments m and v:
 (m^2 estimates the squared mean of the gradient, v - m^2 its variance over steps, which a W-times larger
 batch divides by W). A step -lr * m / (sqrt(v) + eps) becomes -lr * m / (sqrt(v_global) + eps): the same
 where the gradient's sign is steady, up to sqrt(W) larger where noise dominates, as in DDP. With one rank
-v_global = v and nothing changes. The optimizer's state is not modified; weight decay (decoupled or not)
-and the learning rate of the moment (a scheduler's) are the optimizer's own.
+v_global = v and nothing changes. Weight decay (decoupled or not) and the learning rate of the moment (a
+scheduler's) are the optimizer's own.
+
+The rule reads the optimizer's ``exp_avg_sq`` as the rank's *own* second moment, so that is what it must
+hold whenever ranks step on their own gradients: averaging it over ranks keeps it so (each rank's is an
+estimate of the same per-rank quantity). Steps on an all-reduced gradient (gradshare.link) are DDP's own
+and update it with the mean gradient, so the sharing core converts it when the path changes: to the global
+batch's (:func:`to_global`) before the first all-reduce step, and back to a rank's own (:func:`to_own`,
+the inverse) before the first step on local gradients. Reading a global second moment as a rank's own
+would divide its variance by W again at every round.
 
 Applies to torch.optim.Adam and AdamW (amsgrad: the running maximum is the v used). Other adaptive
 optimizers share their steps as they are.
@@ -77,20 +85,24 @@ def step_excess(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], w
     return wide.sub_(narrow).mul_(m).mul_(lr).view_as(p)
 
 
-@torch.no_grad()
-def global_exp_avg_sq(state: Dict[str, Any], group: Dict[str, Any], world: int) -> Optional[torch.Tensor]:
-    """This rank's estimate of the global batch's ``exp_avg_sq`` (in the optimizer's own, not
-    bias-corrected, units and dtype), for averaging optimizer states across ranks (a switch to
-    all-reduced gradients, a parameter-averaging round): the mean of the ranks' own ``exp_avg_sq``
-    overstates the global batch's W-fold where noise dominates. None: average it as it is."""
-    if world <= 1 or group.get("amsgrad"):
+def _converted(state: Dict[str, Any], group: Dict[str, Any], factor: float) -> Optional[torch.Tensor]:
+    """``exp_avg_sq`` with the variance part of its bias-corrected value times ``factor`` (1/W: a rank's own ->
+    the global batch's; W: back), in the optimizer's units and dtype; None where there is nothing to convert."""
+    if group.get("amsgrad"):
         return None
     mv = _moments(state, group)
     if mv is None:
         return None
     m, v, t = mv
+    m2 = m * m
     b2 = float(group["betas"][1])
-    return _global(m, v, world).mul_(1.0 - b2 ** t).to(state["exp_avg_sq"].dtype)
+    return torch.sub(v, m2).clamp_min_(0.0).mul_(factor).add_(m2).mul_(1.0 - b2 ** t).to(state["exp_avg_sq"].dtype)
+
+
+def global_exp_avg_sq(state: Dict[str, Any], group: Dict[str, Any], world: int) -> Optional[torch.Tensor]:
+    """This rank's estimate of the global batch's ``exp_avg_sq`` from its own (in the optimizer's units and
+    dtype, not bias-corrected); None: nothing to convert (one rank, no step yet, amsgrad)."""
+    return _converted(state, group, 1.0 / world) if world > 1 else None
 
 
 def groups_of(optimizer: torch.optim.Optimizer) -> Dict[int, Dict[str, Any]]:
@@ -98,14 +110,10 @@ def groups_of(optimizer: torch.optim.Optimizer) -> Dict[int, Dict[str, Any]]:
     return {id(p): g for g in optimizer.param_groups for p in g["params"]}
 
 
-def averaged_state(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], world: int,
-                   per_element: bool = True) -> Iterable[Tuple[torch.Tensor, torch.Tensor]]:
-    """(source, destination) pairs of the floating state tensors of ``params`` to average across ranks, in a
-    fixed order: the destination is the optimizer's tensor, the source what this rank contributes (for
-    Adam's ``exp_avg_sq``, :func:`global_exp_avg_sq`; otherwise the tensor itself). ``per_element``: only
-    tensors shaped like their parameter (else every floating tensor with at least one dimension)."""
-    fix = applies(optimizer) and world > 1
-    groups = groups_of(optimizer) if fix else {}
+def state_tensors(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor],
+                  per_element: bool = True) -> Iterable[Tuple[str, torch.Tensor, torch.Tensor]]:
+    """(key, parameter, tensor) for the floating state tensors of ``params``, in a fixed order. ``per_element``:
+    only tensors shaped like their parameter (else every floating tensor with at least one dimension)."""
     for p in params:
         st = optimizer.state.get(p, {})
         for key in sorted(st):
@@ -114,5 +122,30 @@ def averaged_state(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tens
                 continue
             if (t.shape != p.shape) if per_element else t.dim() == 0:
                 continue
-            src = global_exp_avg_sq(st, groups[id(p)], world) if fix and key == "exp_avg_sq" else None
-            yield (t if src is None else src), t
+            yield key, p, t
+
+
+def to_global(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor],
+              world: int) -> Iterable[Tuple[torch.Tensor, torch.Tensor]]:
+    """(source, destination) pairs of the per-element state tensors of ``params`` to average across ranks
+    before steps on the all-reduced gradient: the destination is the optimizer's tensor, the source what
+    this rank contributes (for Adam's ``exp_avg_sq``, :func:`global_exp_avg_sq`; otherwise the tensor)."""
+    fix = applies(optimizer) and world > 1
+    groups = groups_of(optimizer) if fix else {}
+    for key, p, t in state_tensors(optimizer, params):
+        src = global_exp_avg_sq(optimizer.state[p], groups[id(p)], world) if fix and key == "exp_avg_sq" else None
+        yield (t if src is None else src), t
+
+
+@torch.no_grad()
+def to_own(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], world: int) -> None:
+    """After steps on the all-reduced gradient, before steps on the rank's own: Adam's ``exp_avg_sq`` of
+    ``params`` made a rank's own again (in place; the inverse of :func:`to_global`, the same on every rank)."""
+    if world <= 1 or not applies(optimizer):
+        return
+    groups = groups_of(optimizer)
+    for p in params:
+        st = optimizer.state.get(p)
+        own = _converted(st, groups[id(p)], float(world)) if st else None
+        if own is not None:
+            st["exp_avg_sq"].copy_(own)

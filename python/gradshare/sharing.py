@@ -435,7 +435,10 @@ class Sharing:
         return out
 
     def begin_updates(self) -> None:
-        """Before the optimizer's local step: remember every bucket's parameters."""
+        """Before the optimizer's local step: remember every bucket's parameters. After all-reduce steps, Adam's
+        second moment is made each rank's own again first (gradshare.second_moment.to_own)."""
+        if self._consistent and self.global_second_moment:
+            second_moment.to_own(self.optimizer, (p for b in self.buckets for p in b.params), self.world_size)
         self._consistent = False           # each rank's optimizer now steps on its own gradient
         for b in self.buckets:
             if b.snapshot is None:
@@ -589,7 +592,7 @@ class Sharing:
         world = self.world_size
         for b in self.buckets:
             # Adam's exp_avg_sq goes in as each rank's estimate of the global batch's (gradshare.second_moment)
-            states = list(second_moment.averaged_state(optimizer, b.params, world))
+            states = list(second_moment.to_global(optimizer, b.params, world))
             flat = torch.cat([b.residual] + [src.detach().reshape(-1).float() for src, _ in states])
             dist.all_reduce(flat.div_(world), group=self.process_group)
             b.gather_params(b.flat).sub_(flat[:b.n])
