@@ -98,7 +98,9 @@ def test_local_steps_modes_build_parameter_averaging_options():
     d = build_config({"mode": "diloco", "frequency": 20})
     assert d.mode == "averaging" and d.frequency == 20 and d.compression is None
     assert build_config({"mode": "diloco", "averaging_frequency": 7}).frequency == 7   # the key's former name
-    assert d.outer_optimizer == (torch.optim.SGD, {"lr": 0.7, "momentum": 0.9, "nesterov": True})
+    assert d.outer_optimizer == (torch.optim.SGD, {"lr": 1.0, "momentum": 0.0, "nesterov": False})   # the mean change
+    paper = build_config({"mode": "diloco", "outer_lr": 0.7, "outer_momentum": 0.9})
+    assert paper.outer_optimizer == (torch.optim.SGD, {"lr": 0.7, "momentum": 0.9, "nesterov": True})
     s = build_config({"mode": "sparse_local"})
     assert s.outer_optimizer is None and s.residual_decay == 0.9
     assert isinstance(s.compression, TopK) and s.compression.density == 0.02 and s.compression.warmup_steps == 0
