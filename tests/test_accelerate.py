@@ -1,5 +1,5 @@
-"""gradshare.integrations.accelerate.share: Accelerate's DDP with gradshare's hook, on CPU (gloo)."""
-import os
+"""gradshare.integrations.accelerate.share: Accelerate's DDP with gradshare's hook, on CPU (gloo), training the MNIST
+CNN (tiny_model.cnn: MNIST where this machine has it, else the bundled digits)."""
 import warnings
 
 import numpy as np
@@ -14,8 +14,8 @@ import gradshare.integrations.accelerate as ga  # noqa: E402  (needs accelerate)
 from gradshare import verify_replicas  # noqa: E402
 from gradshare.checkpoint import load, write_atomic  # noqa: E402
 from gradshare.workers import run_local  # noqa: E402
-from tiny_model import (batch, check_one_line_run, count_hook_calls, first_moment, flat, net,  # noqa: E402
-                        one_line_result, residual_of)
+from tiny_model import (check_one_line_run, cnn, count_hook_calls, first_moment, image_batch,  # noqa: E402
+                        net, one_line_result, residual_of)
 
 STEPS = 18
 
@@ -40,12 +40,12 @@ def test_a_folder_saved_by_another_number_of_processes_is_refused(tmp_path):
 
 
 def _train(root, steps, save_at=None, resume=False, calls=None, **state_kwargs):
-    """Trains net() for ``steps`` steps on rank-specific batches; save_state(root) after ``save_at`` steps, or
+    """Trains the MNIST CNN (tiny_model.cnn) for ``steps`` steps on rank-specific batches; save_state(root) after ``save_at`` steps, or
     (resume) load_state(root) first and continue from the step it was saved at."""
     warnings.simplefilter("ignore")
     rank = dist.get_rank()
     accelerator = accelerate.Accelerator(cpu=True)
-    model = net()
+    model = cnn()
     model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
     state = ga.share(accelerator, model, opt, **state_kwargs)
     out = {"rank": rank}
@@ -55,7 +55,7 @@ def _train(root, steps, save_at=None, resume=False, calls=None, **state_kwargs):
         start = state.step_count
         out["start"] = (residual_of(state.state_dict()), first_moment(opt.state_dict()))
     for step in range(start, steps):
-        x, y = batch(rank, step)
+        x, y = image_batch(rank, step)
         opt.zero_grad()
         accelerator.backward(F.cross_entropy(model(x), y))
         opt.step()
@@ -73,7 +73,7 @@ def _train_counted(root, steps):
 @pytest.mark.slow
 def test_the_one_line_trains_in_updates_mode_with_identical_replicas(tmp_path):
     res = run_local(_train_counted, 2, (str(tmp_path), STEPS), timeout=120)
-    check_one_line_run(res, STEPS)
+    check_one_line_run(res, STEPS, initial=cnn)
 
 
 def _resume(root):

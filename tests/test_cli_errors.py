@@ -54,3 +54,17 @@ def test_version_is_the_package_version(capsys):
     assert capsys.readouterr().out.strip() == f"gradshare {gradshare.__version__}"
     assert main(["info"]) == 0
     assert json.loads(capsys.readouterr().out)["version"] == gradshare.__version__
+
+
+def test_a_reader_that_goes_away_gets_no_traceback():
+    """``gradshare info | head -1``: the pipe closes before gradshare writes; it ends quietly (status 141, as a
+    shell reports SIGPIPE) instead of printing BrokenPipeError tracebacks."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "gradshare", "info"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()                     # before the interpreter has even imported gradshare
+    err = p.stderr.read().decode()
+    p.wait(timeout=120)
+    assert p.returncode == 141, (p.returncode, err)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

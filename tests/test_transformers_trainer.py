@@ -1,4 +1,5 @@
-"""gradshare.integrations.transformers: the Hugging Face Trainer with gradshare's DDP hook, on CPU (gloo)."""
+"""gradshare.integrations.transformers: the Hugging Face Trainer with gradshare's DDP hook, on CPU (gloo), training
+the MNIST CNN (tiny_model.cnn: MNIST where this machine has it, else the bundled digits)."""
 import io
 import os
 import warnings
@@ -16,7 +17,7 @@ pytest.importorskip("accelerate")
 import gradshare.integrations.transformers as gt  # noqa: E402  (needs transformers)
 from gradshare import verify_replicas  # noqa: E402
 from gradshare.workers import run_local  # noqa: E402
-from tiny_model import (check_one_line_run, count_hook_calls, first_moment, flat, net,  # noqa: E402
+from tiny_model import (check_one_line_run, cnn, count_hook_calls, first_moment, flat, images,  # noqa: E402
                         one_line_result, residual_of)
 
 BATCH = 16
@@ -24,11 +25,11 @@ STEPS_PER_EPOCH = 6            # per rank: the Trainer's sampler gives each rank
 
 
 class _Model(nn.Module):
-    """net() returning what the Trainer reads: a dict with the loss."""
+    """The MNIST CNN (tiny_model.cnn) returning what the Trainer reads: a dict with the loss."""
 
     def __init__(self):
         super().__init__()
-        self.net = net()
+        self.net = cnn()
 
     def forward(self, x, labels):
         logits = self.net(x)
@@ -37,9 +38,8 @@ class _Model(nn.Module):
 
 class _Data(torch.utils.data.Dataset):
     def __init__(self, n):
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, 20, generator=g)
-        self.y = self.x[:, :4].argmax(1)
+        x, y = images()
+        self.x, self.y = x[:n], y[:n]
 
     def __len__(self):
         return len(self.x)
@@ -86,7 +86,7 @@ def test_the_callback_needs_the_trainer_and_sharing_options(tmp_path):
 def test_one_process_trains_without_sharing(tmp_path):
     trainer, cb = _trainer(str(tmp_path), 2)
     trainer.train()
-    assert cb.state is None and not np.array_equal(flat(trainer.model.net), flat(net()))
+    assert cb.state is None and not np.array_equal(flat(trainer.model.net), flat(cnn()))
 
 
 def test_resuming_with_another_number_of_processes_is_refused(tmp_path):
@@ -108,7 +108,7 @@ def _train(root):
 @pytest.mark.slow
 def test_one_line_trains_in_updates_mode_with_identical_replicas(tmp_path):
     res = run_local(_train, 2, (str(tmp_path),), timeout=150)
-    check_one_line_run(res, 3 * STEPS_PER_EPOCH)
+    check_one_line_run(res, 3 * STEPS_PER_EPOCH, initial=cnn)
 
 
 def _resume(root, at, steps):

@@ -17,6 +17,40 @@ def batch(rank, step):
     return x, x[:, :4].argmax(1)
 
 
+# ---------------------------------------------------------------- the MNIST CNN, for framework integrations
+_IMAGES = {}
+
+
+def images():
+    """(x, y): MNIST training images (the first 4096) where this machine has the MNIST files (conftest's
+    MNIST_DIR), else scikit-learn's bundled 8x8 digits; the same on every run."""
+    if not _IMAGES:
+        from conftest import MNIST_DIR, have_mnist
+        from gradshare.data import load_digits, load_mnist
+
+        train = load_mnist(MNIST_DIR)[0] if have_mnist() else load_digits(seed=0)[0]
+        x, y = train.tensors
+        _IMAGES["xy"] = (x[:4096].contiguous(), y[:4096].contiguous())
+    return _IMAGES["xy"]
+
+
+def cnn():
+    """The benchmarks' MNIST CNN (gradshare.models.SmallCNN) for the images of :func:`images`, the same weights
+    on every run."""
+    from gradshare.models import SmallCNN
+
+    side = images()[0].shape[-1]
+    torch.manual_seed(0)
+    return SmallCNN(in_channels=1, num_classes=10, image_size=side)
+
+
+def image_batch(rank, step, size=16):
+    """Batch ``step`` of ``rank``: a different slice of :func:`images` per rank and step, the same on every run."""
+    x, y = images()
+    start = ((2 * step + rank) * size) % (len(y) - size)
+    return x[start:start + size], y[start:start + size]
+
+
 def flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
 
@@ -87,11 +121,11 @@ def one_line_result(state, calls, model):
             "hook_calls": len(calls), "params": flat(model)}
 
 
-def check_one_line_run(results, steps):
+def check_one_line_run(results, steps, initial=net):
     """What a framework integration's default run must show on every rank (a list of one_line_result dicts):
     updates mode, the hook called at every backward and every step shared, both link-aware paths taken
     (all-reduce steps first, then timed compressed ones; gradshare.link), identical replicas, and parameters
-    that moved."""
+    that moved from ``initial()``'s."""
     import numpy as np
 
     for r in results:
@@ -101,4 +135,4 @@ def check_one_line_run(results, steps):
         compressed = sum(n for f, n in r["formats"].items() if f not in ("allreduce", "skipped"))
         assert r["formats"]["allreduce"] > 0 and compressed > 0, r["formats"]
         assert np.array_equal(r["params"], results[0]["params"])
-    assert not np.array_equal(results[0]["params"], flat(net()))
+    assert not np.array_equal(results[0]["params"], flat(initial()))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 
 # subcommand -> module with add_arguments(parser) and run(args) -> exit code
@@ -56,7 +57,15 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:   # a refused option (status 2, one line already printed) or --help (0)
         return int(exc.code or 0)
-    return int(args.func(args) or 0)
+    try:
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()                         # a closed pipe shows here, not in Python's flush at exit
+        return status
+    except BrokenPipeError:
+        # The reader went away (``gradshare info | head``): nothing more to print, and no traceback. Python
+        # would report the same error again when it flushes stdout at exit, so stdout goes to devnull first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141                                 # 128 + SIGPIPE, as a shell reports a process killed by it
 
 
 if __name__ == "__main__":
