@@ -1,6 +1,7 @@
 """SharedOptimizer and ParameterAveraging are torch optimizers: schedulers, add_param_group, torch-shaped
 state dicts, torch.distributed.checkpoint, and parameters without a gradient left alone."""
 import copy
+from collections import deque
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gradshare import LinkAware, ParameterAveraging, SharedOptimizer, TopK
+from gradshare import LinkAware, ParameterAveraging, SharedOptimizer, TopK, optimizer_state
 from gradshare.workers import run_local
 from tiny_model import batch, flat, net
 
@@ -114,12 +115,14 @@ class _WithUnused(nn.Module):
         return self.rank0_only(out) if rank == 0 else out
 
 
-def _no_grad_params(kw):
+def _no_grad_params(kw, plan=None):
     r = dist.get_rank()
     model = _WithUnused()
     before = model.unused.weight.detach().clone()
     opt = SharedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), **kw)
-    for step in range(6):
+    if plan is not None:      # the link-aware choice scripted: "a" all-reduce, "c" compressed, step by step
+        opt.sharing.link.plan = deque("allreduce" if c == "a" else "compressed" for c in plan)
+    for step in range(6 if plan is None else len(plan)):
         x, y = batch(r, step)
         opt.zero_grad()
         F.cross_entropy(model(x, r), y).backward()
@@ -139,6 +142,60 @@ def test_parameters_no_rank_has_a_gradient_for_are_not_touched(kw):
         assert r["unused equal"] and r["unused grad"] is None and r["unused state"] == 0
         assert r["rank0_only moved"]
     assert torch.equal(res[0]["params"], res[1]["params"])
+
+
+@pytest.mark.slow
+def test_switching_to_allreduce_after_steps_only_one_rank_took_keeps_replicas_identical():
+    # rank0_only is stepped by rank 0 alone on compressed steps: its Adam step counter runs ahead there, and
+    # the all-reduce steps after the switch must start from the same counter on every rank.
+    res = run_local(_no_grad_params, 2, args=({}, "aacccaaccca"), timeout=120)
+    assert torch.equal(res[0]["params"], res[1]["params"])
+    assert res[0]["rank0_only moved"] and res[0]["unused equal"]
+
+
+def _adam_state_differs():
+    r = dist.get_rank()
+    model = _WithUnused()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(3 + 2 * r):       # rank 1 steps more; rank0_only has state on rank 0 only
+        x, y = batch(r, step)
+        opt.zero_grad()
+        F.cross_entropy(model(x, r), y).backward()
+        opt.step()
+    optimizer_state.agree(opt, model.parameters())
+    st = opt.state[model.rank0_only.weight]
+    return {"keys": sorted(st), "step": float(st["step"]), "body step": float(opt.state[model.body[0].weight]["step"]),
+            "exp_avg zero": bool((st["exp_avg"] == 0).all()), "unused": len(opt.state.get(model.unused.weight, {}))}
+
+
+def test_optimizer_state_agree_creates_missing_entries_and_takes_the_counters_of_the_rank_that_stepped_most():
+    a, b = run_local(_adam_state_differs, 2, timeout=120)
+    assert a["keys"] == b["keys"] == ["exp_avg", "exp_avg_sq", "step"]
+    assert a["step"] == b["step"] == 3.0                     # only rank 0 stepped it, 3 times
+    assert not a["exp_avg zero"] and b["exp_avg zero"]       # created as zeros where it was missing
+    assert a["body step"] == b["body step"] == 5.0           # rank 1 stepped the body more
+    assert a["unused"] == b["unused"] == 0                   # no rank has state: none created
+
+
+def _averaging_with_rank0_only():
+    r = dist.get_rank()
+    model = _WithUnused()
+    opt = ParameterAveraging(model, torch.optim.AdamW(model.parameters(), lr=1e-2), frequency=2)
+    for step in range(4):
+        x, y = batch(r, step)
+        opt.zero_grad()
+        F.cross_entropy(model(x, r), y).backward()
+        opt.step()
+    st = opt.optimizer.state[model.rank0_only.weight]
+    return {"params": flat(model), "exp_avg": st["exp_avg"].clone(), "step": float(st["step"])}
+
+
+@pytest.mark.slow
+def test_averaging_rounds_average_state_only_some_ranks_have():
+    a, b = run_local(_averaging_with_rank0_only, 2, timeout=120)
+    assert (a["params"] == b["params"]).all()
+    assert torch.equal(a["exp_avg"], b["exp_avg"]) and a["exp_avg"].abs().sum() > 0
+    assert a["step"] == b["step"] == 4.0
 
 
 def _add_group():

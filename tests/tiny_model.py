@@ -68,14 +68,19 @@ def restore(blob: bytes, *objects) -> None:
         o.load_state_dict(state)
 
 
-def scaled_steps(model, net, opt, steps=6, bad_at=None, enabled=True):
-    """``steps`` training steps under a torch.amp.GradScaler (an Inf in rank 1's input at step ``bad_at``):
-    the flat parameters after them and the scale after each step."""
+def grad_scaler(enabled=True):
+    """The GradScaler the mixed-precision tests use (a power-of-two scale, as every GradScaler's)."""
+    return torch.amp.GradScaler("cpu", init_scale=2.0**12, enabled=enabled)
+
+
+def scaled_steps(model, net, opt, steps=6, bad_at=None, enabled=True, scaler=None):
+    """``steps`` training steps under a torch.amp.GradScaler (``scaler``, or a new :func:`grad_scaler`; an Inf in
+    rank 1's input at step ``bad_at``): the flat parameters after them and the scale after each step."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
     r = dist.get_rank()
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, enabled=enabled)
+    scaler = scaler if scaler is not None else grad_scaler(enabled)
     scales = []
     for step in range(steps):
         x, y = batch(r, step)

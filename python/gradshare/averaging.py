@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradshare import ops, second_moment
+from gradshare import ops, optimizer_state, second_moment
 from gradshare.compression import Dense
 from gradshare.costmodel import ring_allreduce_bytes
 from gradshare.sharing import Sharing
@@ -170,7 +170,7 @@ class ParameterAveraging(WrappedOptimizer):
         if self.average_optimizer_state:
             # Per-element state only: 0-dim tensors are counters such as Adam's "step".
             params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            ts += [t for _, _, t in second_moment.state_tensors(self.optimizer, params, per_element=False)]
+            ts += [t for _, _, t in optimizer_state.state_tensors(self.optimizer, params, per_element=False)]
         return [(t, t) for t in ts]
 
     def _flatten(self, ts: List[torch.Tensor]) -> torch.Tensor:
@@ -206,6 +206,9 @@ class ParameterAveraging(WrappedOptimizer):
         self.rounds += 1
         if world <= 1:
             return
+        if self.average_optimizer_state:   # the same entries on every rank first (gradshare.optimizer_state)
+            optimizer_state.agree(self.optimizer, (p for g in self.optimizer.param_groups for p in g["params"]),
+                                  self.process_group)
         self._average_dense(self._averaged(), world)
 
     def _average_dense(self, pairs: List[Tuple[torch.Tensor, torch.Tensor]], world: int) -> None:

@@ -36,6 +36,11 @@ skips ``step()`` on such a step, then works as with DDP, every rank skipping tog
 sees the non-finite value). ``nonfinite="skip"`` drops the step on every rank: residuals, thresholds and
 (updates mode) parameters and optimizer state are left as they were, ``state.step_skipped`` is set; in
 gradients mode guard the optimizer with ``if state.should_step(): opt.step()``.
+
+Mixed precision: with ``optimizer=`` the updates are shared after a GradScaler unscaled the gradients, so the
+loss scale changes nothing that is sent. Sharing gradients under a GradScaler, pass it
+(``ThresholdState(scaler=scaler)``): buckets are encoded in unscaled units, and an overflow on any rank makes
+every rank's scaler skip the step and back off.
 """
 
 import threading
@@ -73,6 +78,12 @@ class ThresholdState(SharingFront):
         link: "auto" (default): with ``optimizer=`` and the default compression, steps on which the link
             makes compression slower than DDP's all-reduce are DDP's all-reduce (gradshare.link); None:
             always compress.
+        scaler: the ``torch.amp.GradScaler`` of a mixed-precision script, for gradients mode (without
+            ``optimizer=``, which needs none: updates are shared after the scaler unscaled them). Each bucket
+            is encoded divided by the loss scale and the mean multiplied back (exact: the scale is a power
+            of two), so thresholds and residuals are in unscaled units whatever the scale does; a step whose
+            gradients overflowed on any rank is dropped on every rank (``nonfinite`` is "skip") and the hook
+            returns NaN, so every rank's scaler skips it and backs off, as with DDP. Not pickled.
         threshold: the former name of ``compression`` (deprecated).
     """
 
@@ -81,7 +92,7 @@ class ThresholdState(SharingFront):
                  nonfinite: str = "raise", *, average: bool = True, fallback: str = "auto",
                  stats: Optional[Statistics] = None, momentum: Optional[float] = None,
                  optimizer: Optional[torch.optim.Optimizer] = None, bucket_cap_mb: float = 25.0,
-                 link: Any = "auto"):
+                 link: Any = "auto", scaler: Optional[Any] = None):
         if optimizer is not None and momentum is not None:
             raise ValueError("momentum= is for sharing gradients; with optimizer= the optimizer's own momentum "
                              "is used (leave momentum=None)")
@@ -90,8 +101,13 @@ class ThresholdState(SharingFront):
         self._config = {"compression": compression, "clipping": clip, "nonfinite": nonfinite,
                         "average": average, "fallback": fallback, "momentum": momentum,
                         "bucket_cap_mb": bucket_cap_mb, "link": link}
+        # Gradients mode under a GradScaler: an overflow is the scaler's to handle (every rank skips it).
+        self.scaler = scaler if optimizer is None else None
+        if self.scaler is not None and not callable(getattr(self.scaler, "get_scale", None)):
+            raise TypeError(f"scaler: expected a torch.amp.GradScaler, got {type(scaler).__name__}")
         self.sharing = Sharing(compression, optimizer=optimizer, process_group=process_group,
-                               reduce="mean" if average else "sum", nonfinite=nonfinite, fallback=fallback,
+                               reduce="mean" if average else "sum",
+                               nonfinite="skip" if self.scaler is not None else nonfinite, fallback=fallback,
                                stats=stats, momentum=momentum, clipping=clip,
                                mode="updates" if optimizer is not None else "gradients", link=link)
         self.optimizer = optimizer
@@ -113,6 +129,7 @@ class ThresholdState(SharingFront):
         self._lock = threading.Lock()
         self._inflight: List[tuple] = []           # (bucket, future of ExchangeResult)
         self._iteration: Optional[torch.futures.Future] = None   # gradients mode: this backward's outcome
+        self._scale: Optional[float] = None        # gradients mode: this backward's loss scale (scaler=)
         self._bad = None                           # updates mode: this backward's non-finite flag
         self._nonfinite_ranks: List[int] = []      # updates mode: ranks whose gradients were not finite
         self._saved_grads: Optional[list] = None
@@ -130,6 +147,12 @@ class ThresholdState(SharingFront):
     @property
     def nonfinite(self) -> str:
         return self.sharing.nonfinite
+
+    def loss_scale(self) -> Optional[float]:
+        """The scaler's current loss scale (gradients mode with ``scaler=``), or None when nothing is scaled."""
+        if self.scaler is None or not self.scaler.is_enabled():
+            return None
+        return float(self.scaler.get_scale())
 
     def should_step(self) -> bool:
         """False when the last step's exchange was dropped (nonfinite="skip")."""
@@ -312,8 +335,11 @@ def threshold_hook(state: ThresholdState, bucket: dist.GradBucket) -> torch.futu
     with state._lock:
         if state._iteration is None:              # completes when every bucket of this backward has
             state._iteration = torch.futures.Future()
-        iteration = state._iteration
+            state._scale = state.loss_scale()
+        iteration, scale = state._iteration, state._scale
     try:
+        if scale is not None:
+            buf.div_(scale)                       # unscaled units: what thresholds and residuals mean
         fut = sh.start(b, buf, buf, f"DDP bucket {bucket.index()}")
     except BaseException as e:
         with state._lock:                         # this backward is over: nothing it started may stay applied
@@ -326,7 +352,7 @@ def threshold_hook(state: ThresholdState, bucket: dist.GradBucket) -> torch.futu
         if not bucket.is_last():
             # Each bucket's result is released with the whole step's, so that when any bucket fails DDP
             # sees the error only after every bucket has been put back (all or nothing).
-            return iteration.then(lambda done, fut=fut: _after(done, fut))
+            return iteration.then(lambda done, fut=fut: _after(done, fut, scale))
         inflight, state._inflight, state._iteration = state._inflight, [], None
 
     def finish(all_done) -> torch.Tensor:
@@ -339,14 +365,24 @@ def threshold_hook(state: ThresholdState, bucket: dist.GradBucket) -> torch.futu
             iteration.set_exception(e)
             raise
         iteration.set_result(None)
-        return fut.value().out
+        return _rescaled(fut.value(), scale)
 
     return torch.futures.collect_all([f for _, f in inflight]).then(finish)
 
 
-def _after(done: torch.futures.Future, fut: torch.futures.Future) -> torch.Tensor:
+def _after(done: torch.futures.Future, fut: torch.futures.Future, scale: Optional[float]) -> torch.Tensor:
     done.value()                                  # the step's error, if any bucket failed
-    return fut.value().out
+    return _rescaled(fut.value(), scale)
+
+
+def _rescaled(result, scale: Optional[float]) -> torch.Tensor:
+    """A bucket's decoded mean in the loss-scaled units DDP hands to the GradScaler (``scale`` None: as it is).
+    A step dropped for a non-finite value is NaN there, so that every rank's scaler skips it and backs off."""
+    if scale is None:
+        return result.out
+    if result.skipped:
+        return result.out.fill_(float("nan"))
+    return result.out.mul_(scale)
 
 
 def _updates_hook(state: ThresholdState, bucket, buf: torch.Tensor) -> torch.futures.Future:

@@ -37,6 +37,8 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
 
+from gradshare.optimizer_state import state_tensors
+
 CORRECTED = (torch.optim.Adam, torch.optim.AdamW)
 
 
@@ -108,21 +110,6 @@ def global_exp_avg_sq(state: Dict[str, Any], group: Dict[str, Any], world: int) 
 def groups_of(optimizer: torch.optim.Optimizer) -> Dict[int, Dict[str, Any]]:
     """id(parameter) -> its param group."""
     return {id(p): g for g in optimizer.param_groups for p in g["params"]}
-
-
-def state_tensors(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor],
-                  per_element: bool = True) -> Iterable[Tuple[str, torch.Tensor, torch.Tensor]]:
-    """(key, parameter, tensor) for the floating state tensors of ``params``, in a fixed order. ``per_element``:
-    only tensors shaped like their parameter (else every floating tensor with at least one dimension)."""
-    for p in params:
-        st = optimizer.state.get(p, {})
-        for key in sorted(st):
-            t = st[key]
-            if not (torch.is_tensor(t) and t.is_floating_point()):
-                continue
-            if (t.shape != p.shape) if per_element else t.dim() == 0:
-                continue
-            yield key, p, t
 
 
 def to_global(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor],

@@ -52,7 +52,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from gradshare import comm, second_moment
+from gradshare import comm, optimizer_state, second_moment
 from gradshare.comm import ExchangeResult, NonFiniteStepError, exchange_async, zero_sent
 from gradshare.compression import Compression, as_compression, for_optimizer
 from gradshare.costmodel import ring_allreduce_bytes
@@ -590,6 +590,9 @@ class Sharing:
                 self._consistent = True
                 return
         world = self.world_size
+        # The same entries and counters on every rank (a parameter only some ranks stepped: optimizer_state)
+        optimizer_state.agree(optimizer, (p for b in self.buckets for p in b.params), self.process_group,
+                              self.buckets[0].device if self.buckets else None)
         for b in self.buckets:
             # Adam's exp_avg_sq goes in as each rank's estimate of the global batch's (gradshare.second_moment)
             states = list(second_moment.to_global(optimizer, b.params, world))

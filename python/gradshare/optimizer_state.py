@@ -1,0 +1,139 @@
+"""Optimizer state across ranks: which tensors are averaged, and the same entries on every rank first.
+
+Where ranks step on their own gradients (compressed updates, local steps), a parameter that has a gradient
+on one rank and not on another (a branch only some batches take, a layer only rank 0 uses) is stepped by
+the first rank's optimizer only. Its state then differs in more than values: Adam's ``step`` counter is
+ahead on that rank, and a rank that never stepped the parameter has no state for it at all. Averaging
+such states tensor by tensor would all-reduce buffers of different lengths, and two optimizers with the
+same moments but different counters take different steps from the same gradient: replicas drift apart.
+
+:func:`agree` runs before states are averaged. It checks in one small all-reduce that every rank holds the
+same entries (a checksum of keys, shapes and dtypes); where they differ (rare), ranks exchange their
+layouts and a rank lacking an entry creates it as zeros. Counters and other scalar entries are then taken,
+for each parameter, from the rank that stepped it most (the largest ``step``; ties: the lowest rank).
+"""
+from __future__ import annotations
+
+import numbers
+import zlib
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+Entry = Tuple[str, str, Tuple[int, ...], str, bool]   # key, kind, shape, dtype, on the parameter's device
+
+
+def state_tensors(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor],
+                  per_element: bool = True) -> Iterable[Tuple[str, torch.Tensor, torch.Tensor]]:
+    """(key, parameter, tensor) for the floating state tensors of ``params``, in a fixed order. ``per_element``:
+    only tensors shaped like their parameter (else every floating tensor with at least one dimension)."""
+    for p in params:
+        st = optimizer.state.get(p, {})
+        for key in sorted(st):
+            t = st[key]
+            if not (torch.is_tensor(t) and t.is_floating_point()):
+                continue
+            if (t.shape != p.shape) if per_element else t.dim() == 0:
+                continue
+            yield key, p, t
+
+
+def _scalar(v: Any) -> bool:
+    return (torch.is_tensor(v) and v.dim() == 0) or (isinstance(v, numbers.Real) and not isinstance(v, bool))
+
+
+def _layout(p: torch.Tensor, st: Dict[str, Any]) -> List[Entry]:
+    out = []
+    for key in sorted(st):
+        v = st[key]
+        if torch.is_tensor(v):
+            kind = "scalar" if v.dim() == 0 else "tensor"
+            out.append((key, kind, tuple(v.shape), str(v.dtype), v.device == p.device))
+        elif _scalar(v):
+            out.append((key, "scalar", (), type(v).__name__, False))
+        else:
+            out.append((key, "other", (), type(v).__name__, False))
+    return out
+
+
+def _create(p: torch.Tensor, entry: Entry) -> Any:
+    key, kind, shape, dtype, on_param = entry
+    if kind == "other":
+        raise RuntimeError(f"optimizer state: parameter of shape {tuple(p.shape)} has entry {key!r} "
+                           f"({dtype}) on some ranks only, and it is not a tensor or a number: cannot "
+                           "make the ranks' states alike")
+    if dtype in ("int", "float"):
+        return 0 if dtype == "int" else 0.0
+    return torch.zeros(shape, dtype=getattr(torch, dtype.split(".")[-1]),
+                       device=p.device if on_param else torch.device("cpu"))
+
+
+def _max(values: List[float], device: torch.device, group: Any) -> List[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+@torch.no_grad()
+def agree(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], process_group: Any = None,
+          device: Optional[torch.device] = None, scalars: bool = True) -> None:
+    """Makes the state entries of ``params`` alike on every rank (a collective; module docstring): the same
+    keys, shapes and dtypes (missing ones created as zeros) and, with ``scalars`` (else only for parameters
+    whose entries were missing somewhere), the same counters, taken from the rank that stepped most."""
+    params = list(params)
+    world = dist.get_world_size(process_group)
+    if world <= 1 or not params:
+        return
+    dev = device if device is not None else params[0].device
+    layouts = [_layout(p, optimizer.state.get(p, {})) for p in params]
+    crc = float(zlib.crc32(repr(layouts).encode()))
+    high, neg_low = _max([crc, -crc], dev, process_group)
+    fixed = set()
+    if high != -neg_low:                       # some rank's entries differ: exchange the layouts
+        everyone: List[Optional[List[List[Entry]]]] = [None] * world
+        dist.all_gather_object(everyone, layouts, group=process_group)
+        for i, p in enumerate(params):
+            union: Dict[str, Entry] = {}
+            for lay in everyone:
+                for e in lay[i]:                                     # type: ignore[index]
+                    seen = union.setdefault(e[0], e)
+                    if seen[:4] != e[:4]:
+                        raise RuntimeError(f"optimizer state: entry {e[0]!r} of a parameter of shape "
+                                           f"{tuple(p.shape)} differs across ranks ({seen[1:4]} vs {e[1:4]})")
+            mine = {e[0] for e in layouts[i]}
+            if len(mine) < len(union) or any(len(lay[i]) < len(union) for lay in everyone):  # type: ignore[index]
+                fixed.add(i)
+            if len(mine) < len(union):
+                st = optimizer.state[p]
+                for key, e in union.items():
+                    if key not in mine:
+                        st[key] = _create(p, e)
+    chosen = [i for i in range(len(params)) if scalars or i in fixed]
+    keys = [(i, k) for i in chosen for k in sorted(optimizer.state.get(params[i], {}))
+            if _scalar(optimizer.state[params[i]][k])]
+    if not keys:
+        return
+    rank = dist.get_rank(process_group)
+
+    def steps(i: int) -> float:
+        v = optimizer.state[params[i]].get("step", 0)
+        return float(v.item() if torch.is_tensor(v) else v) if _scalar(v) else 0.0
+
+    # The source of each parameter's counters: the largest step, ties to the lowest rank (one MAX all-reduce).
+    ranked = _max([steps(i) * world + (world - 1 - rank) for i in chosen], dev, process_group)
+    source = {i: world - 1 - int(round(v)) % world for i, v in zip(chosen, ranked)}
+    vals = torch.tensor([_value(optimizer.state[params[i]][k]) if source[i] == rank else 0.0 for i, k in keys],
+                        dtype=torch.float64, device=dev)
+    dist.all_reduce(vals, group=process_group)
+    for (i, k), v in zip(keys, vals.tolist()):
+        st = optimizer.state[params[i]]
+        old = st[k]
+        if torch.is_tensor(old):
+            old.fill_(v)
+        else:
+            st[k] = type(old)(v)
+
+
+def _value(v: Any) -> float:
+    return float(v.item()) if torch.is_tensor(v) else float(v)
