@@ -233,7 +233,7 @@ class ParameterAveraging(WrappedOptimizer):
         if world <= 1:
             if self.outer is not None:                    # the rank's own change, through the outer optimizer
                 for b in sh.buckets:
-                    torch.sub(b.snapshot, b.gather_params(b.flat), out=b.flat)
+                    b.change(b.flat)
                 sh.apply_outer(self.outer)
         else:
             before = sh.stats.bytes_sent

@@ -133,6 +133,19 @@ class Bucket:
         for p, v in self.views(flat):
             p.copy_(v)
 
+    @torch.no_grad()
+    def change(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` = :attr:`snapshot` - the parameters now (this rank's update), in one pass per parameter."""
+        for (p, v), (_, s) in zip(self.views(out), self.views(self.snapshot)):
+            torch.sub(s, p, out=v)
+        return out
+
+    @torch.no_grad()
+    def set_params_before_minus(self, change: torch.Tensor) -> None:
+        """Every parameter set to :attr:`snapshot` - ``change`` (the mean update), in one pass per parameter."""
+        for (p, c), (_, s) in zip(self.views(change), self.views(self.snapshot)):
+            torch.sub(s, c, out=p.detach())
+
     def set_grads(self, flat: torch.Tensor, present: Optional[Sequence[bool]] = None) -> None:
         """Gradients from ``flat``. A parameter whose entry in ``present`` is False had no gradient on any
         rank: its ``grad`` stays None, so the optimizer leaves it untouched as torch does (no weight decay,
@@ -459,8 +472,7 @@ class Sharing:
             if share_grads:
                 delta = b.gather_grads(b.flat)
             else:
-                delta = b.gather_params(b.flat)
-                torch.sub(b.snapshot, delta, out=delta)   # before - after: this rank's update
+                delta = b.change(b.flat)                  # before - after: this rank's update
                 if groups is not None:
                     self._to_global_batch(b, delta, groups)
             items.append((b, delta, delta))
@@ -475,8 +487,7 @@ class Sharing:
             return True
         for b in self.buckets:
             if ok:
-                torch.sub(b.snapshot, b.flat, out=b.flat)   # before - mean update
-                b.set_params(b.flat)
+                b.set_params_before_minus(b.flat)          # before - mean update
             else:
                 b.set_params(b.snapshot)
         self.link_step_ended()
