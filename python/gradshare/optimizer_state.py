@@ -7,10 +7,10 @@ ahead on that rank, and a rank that never stepped the parameter has no state for
 such states tensor by tensor would all-reduce buffers of different lengths, and two optimizers with the
 same moments but different counters take different steps from the same gradient: replicas drift apart.
 
-:func:`agree` runs before states are averaged. It checks in one small all-reduce that every rank holds the
-same entries (a checksum of keys, shapes and dtypes); where they differ (rare), ranks exchange their
-layouts and a rank lacking an entry creates it as zeros. Counters and other scalar entries are then taken,
-for each parameter, from the rank that stepped it most (the largest ``step``; ties: the lowest rank).
+:func:`agree` runs before states are averaged. One small all-reduce tells whether every rank holds the same
+entries (a checksum of keys, shapes and dtypes) and the same ``step`` counters. Where entries differ
+(rare), ranks exchange their layouts and a rank lacking an entry creates it as zeros; where counters
+differ, a parameter's scalar entries are taken from the rank that stepped it most (ties: the lowest rank).
 """
 from __future__ import annotations
 
@@ -75,22 +75,35 @@ def _max(values: List[float], device: torch.device, group: Any) -> List[float]:
     return t.tolist()
 
 
+def _steps(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> float:
+    v = optimizer.state.get(p, {}).get("step", 0)
+    return _value(v) if _scalar(v) else 0.0
+
+
 @torch.no_grad()
 def agree(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], process_group: Any = None,
-          device: Optional[torch.device] = None, scalars: bool = True) -> None:
+          device: Optional[torch.device] = None) -> None:
     """Makes the state entries of ``params`` alike on every rank (a collective; module docstring): the same
-    keys, shapes and dtypes (missing ones created as zeros) and, with ``scalars`` (else only for parameters
-    whose entries were missing somewhere), the same counters, taken from the rank that stepped most."""
+    keys, shapes and dtypes (missing ones created as zeros) and, where the ``step`` counters differ, the
+    scalar entries of the rank that stepped most. When every rank already holds the same entries and
+    counters (the usual case) this is one all-reduce of a few numbers per parameter."""
     params = list(params)
     world = dist.get_world_size(process_group)
     if world <= 1 or not params:
         return
     dev = device if device is not None else params[0].device
+    rank = dist.get_rank(process_group)
     layouts = [_layout(p, optimizer.state.get(p, {})) for p in params]
     crc = float(zlib.crc32(repr(layouts).encode()))
-    high, neg_low = _max([crc, -crc], dev, process_group)
-    fixed = set()
-    if high != -neg_low:                       # some rank's entries differ: exchange the layouts
+    steps = [_steps(optimizer, p) for p in params]
+    # One MAX all-reduce: the layout checksum both ways (equal everywhere iff max == min), each parameter's
+    # largest step with the rank that has it (ties to the lowest rank), and each one's smallest step.
+    agreed = _max([crc, -crc] + [s * world + (world - 1 - rank) for s in steps] + [-s for s in steps],
+                  dev, process_group)
+    n = len(params)
+    ranked, low = agreed[2:2 + n], [-v for v in agreed[2 + n:]]
+    differ = {i for i in range(n) if int(round(ranked[i])) // world != low[i]}
+    if agreed[0] != -agreed[1]:                # some rank's entries differ: exchange the layouts
         everyone: List[Optional[List[List[Entry]]]] = [None] * world
         dist.all_gather_object(everyone, layouts, group=process_group)
         for i, p in enumerate(params):
@@ -102,27 +115,16 @@ def agree(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], proc
                         raise RuntimeError(f"optimizer state: entry {e[0]!r} of a parameter of shape "
                                            f"{tuple(p.shape)} differs across ranks ({seen[1:4]} vs {e[1:4]})")
             mine = {e[0] for e in layouts[i]}
-            if len(mine) < len(union) or any(len(lay[i]) < len(union) for lay in everyone):  # type: ignore[index]
-                fixed.add(i)
-            if len(mine) < len(union):
-                st = optimizer.state[p]
-                for key, e in union.items():
-                    if key not in mine:
-                        st[key] = _create(p, e)
-    chosen = [i for i in range(len(params)) if scalars or i in fixed]
-    keys = [(i, k) for i in chosen for k in sorted(optimizer.state.get(params[i], {}))
+            if any(len(lay[i]) < len(union) for lay in everyone):   # type: ignore[index]
+                differ.add(i)
+            for key, e in union.items():
+                if key not in mine:
+                    optimizer.state[p][key] = _create(p, e)
+    keys = [(i, k) for i in sorted(differ) for k in sorted(optimizer.state.get(params[i], {}))
             if _scalar(optimizer.state[params[i]][k])]
     if not keys:
         return
-    rank = dist.get_rank(process_group)
-
-    def steps(i: int) -> float:
-        v = optimizer.state[params[i]].get("step", 0)
-        return float(v.item() if torch.is_tensor(v) else v) if _scalar(v) else 0.0
-
-    # The source of each parameter's counters: the largest step, ties to the lowest rank (one MAX all-reduce).
-    ranked = _max([steps(i) * world + (world - 1 - rank) for i in chosen], dev, process_group)
-    source = {i: world - 1 - int(round(v)) % world for i, v in zip(chosen, ranked)}
+    source = {i: world - 1 - int(round(ranked[i])) % world for i in differ}
     vals = torch.tensor([_value(optimizer.state[params[i]][k]) if source[i] == rank else 0.0 for i, k in keys],
                         dtype=torch.float64, device=dev)
     dist.all_reduce(vals, group=process_group)
