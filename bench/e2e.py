@@ -2,13 +2,15 @@
 
 Runs every contender (bench/e2e_worker.py: DDP allreduce, DDP fp16, DDP PowerSGD, torch periodic model
 averaging, gradshare hook / SharedOptimizer with and without momentum correction, gradshare parameter
-averaging) on every workload (the MNIST CNN and a 3.7M-parameter MLP) under every link (tc-shaped veth
+averaging, DiLoCo-style and sparse local steps) on every workload (the MNIST CNN and a 3.7M-parameter MLP judged
+by test accuracy, the AdamW transformer LM ``char_lm`` of bench/quality.py judged by validation loss) under every link (tc-shaped veth
 between network namespaces, bench/netns.py), with the same seed, data order, batch size and epochs.
 ``--workers`` workers (2 by default), torch threads 1 each. ``--seeds 0,1,2`` repeats everything per seed
 and summarises over them. A gradshare contender whose module is missing is skipped with a line saying so.
 
-Reported per contender: time to the target test accuracy (training time only), how much sooner than DDP
-allreduce, final accuracy and its difference from DDP allreduce with the same seed, bytes per step and in
+Reported per contender: time to the target (test accuracy to reach, or for char_lm a validation loss to get down to;
+training time only), how much sooner than DDP allreduce, the final metric and its difference from DDP allreduce
+with the same seed (points of accuracy, or % of loss), bytes per step and in
 total (kernel tx counter of the worker's interface during training, the tc qdisc byte counter over the
 whole launch, the contender's own accounting where it has one, and the cost model's prediction), step time
 split into compute / encode / communicate. Outputs: results.json (per run and summary), results.md,
@@ -18,6 +20,7 @@ Needs root (namespaces). Examples (the README's figures come from commands like 
     timeout 900 python bench/e2e.py --quick --out /tmp/e2e-quick
     timeout 3600 python bench/e2e.py --workloads mnist_cnn --links 100mbit --seeds 0,1,2 --eval-every 50 \\
         --target 0.95 --timeout 400 --out bench/results/mnist_cnn_100mbit
+    python bench/e2e.py --workloads char_lm --target 2.25 --contenders ddp_allreduce,gradshare_auto,gradshare_diloco_h20
 """
 from __future__ import annotations
 
@@ -56,23 +59,39 @@ def predicted_bytes_per_step(contender: str, r: dict) -> Optional[float]:
         start = min(steps, r["info"]["start_powerSGD_iter"])
         psgd = cm.powersgd_bytes(n, p, r["info"]["matrix_approximation_rank"], r["shapes"])
         return (start * dense + (steps - start) * psgd) / steps
-    if contender == "torch_averaging":
+    base = e2e_worker.split_period(contender)[0]
+    if base == "torch_averaging":
         return math.ceil(steps / r["info"]["period"]) * dense / steps
     acct = r.get("library_accounting") or {}
     if "bytes_sent" in acct:          # gradshare contenders: their own per-exchange accounting
         return acct["bytes_sent"] / steps
-    if contender == "gradshare_averaging":
+    if base == "gradshare_averaging":
         return math.ceil(steps / r["info"]["period"]) * 2 * dense / steps   # params + momentum buffers
     return None
+
+
+# A run's metric: results written before the LM workload name it "accuracy" (history) and "final_accuracy".
+def metric_name(r: dict) -> str:
+    """ "accuracy" (higher is better) or "loss" (lower is better)."""
+    return r.get("metric", "accuracy")
+
+
+def final_metric(r: dict) -> Optional[float]:
+    return r["final_metric"] if "final_metric" in r else r.get("final_accuracy")
+
+
+def value(h: dict) -> float:
+    """One evaluation's metric (a history entry)."""
+    return h["value"] if "value" in h else h["accuracy"]
 
 
 def merge(contender: str, workload: str, link: str, ranks: List[dict], before, after) -> dict:
     r0 = ranks[0]
     row = {
-        "contender": contender, "workload": workload, "link": link, "status": "ok",
-        "description": e2e_worker.CONTENDERS[contender], "params": r0["params"], "workers": r0["world_size"],
+        "contender": contender, "workload": workload, "link": link, "status": "ok", "metric": r0["metric"],
+        "description": e2e_worker.describe(contender), "params": r0["params"], "workers": r0["world_size"],
         "steps": r0["steps"], "batch_size": r0["batch_size"], "stopped_by_time_budget": r0["stopped_by_time_budget"],
-        "target": r0["target"], "time_to_target": r0["time_to_target"], "final_accuracy": r0["final_accuracy"],
+        "target": r0["target"], "time_to_target": r0["time_to_target"], "final_metric": r0["final_metric"],
         "train_time": max(r["train_time"] for r in ranks),
         "step_time": sum(r["step_time"] for r in ranks) / len(ranks),
         "compute": sum(r["compute"] for r in ranks) / len(ranks),
@@ -98,12 +117,20 @@ def worker_args(a, contender: str, workload: str, out: str, seed: int) -> List[s
     return ["--contender", contender, "--workload", workload, "--data-dir", a.data_dir,
             "--train-subset", str(a.train_subset), "--test-subset", str(a.test_subset), "--epochs", str(a.epochs),
             "--batch-size", str(a.batch_size), "--lr", str(a.lr), "--momentum", str(a.momentum), "--seed", str(seed),
-            "--eval-every", str(a.eval_every), "--target", str(a.target),
+            "--eval-every", str(a.eval_every), "--target", str(target_for(a, workload)),
             "--max-train-seconds", str(a.max_train_seconds), "--period", str(a.period),
             "--powersgd-rank", str(a.powersgd_rank), "--initial-tau", str(a.initial_tau),
             "--dgc-initial-tau", str(a.dgc_initial_tau), "--dgc-decay", str(a.dgc_decay),
             "--dgc-warmup-steps", str(a.dgc_warmup_steps),
             "--dgc-clipping", str(a.dgc_clipping), "--out", out]
+
+
+DEFAULT_TARGETS = {"accuracy": 0.95, "loss": 2.25}    # test accuracy to reach; validation loss to get down to
+
+
+def target_for(a, workload: str) -> float:
+    """--target, or the default for what the workload is judged by (DDP's char_lm ends near 2.20)."""
+    return a.target if a.target is not None else DEFAULT_TARGETS[e2e_worker.metric_of(workload)]
 
 
 def run_one(net, a, contender, workload, link, rundir, seed) -> dict:
@@ -129,7 +156,7 @@ def run_one(net, a, contender, workload, link, rundir, seed) -> dict:
     ranks = [json.load(open(out.format(rank=r))) for r in range(a.workers)]
     row = merge(contender, workload, link, ranks, before, after)
     row["launch_wall"], row["seed"] = wall, seed
-    print(f"  seed {seed} {contender:<24} acc {row['final_accuracy']:.4f}  target@{_fmt(row['time_to_target'])} s  "
+    print(f"  seed {seed} {contender:<24} {row['metric']} {row['final_metric']:.4f}  target@{_fmt(row['time_to_target'])} s  "
           f"step {row['step_time'] * 1e3:.1f} ms  tx/step {row['tx_bytes_per_step']:,.0f} B  "
           f"model {_fmt(row['model_bytes_per_step'], ',.0f')} B  tc/step {_fmt(row.get('tc_bytes_per_step'), ',.0f')} B"
           f"  ({wall:.0f} s)", flush=True)
@@ -207,7 +234,8 @@ def _mean(xs):
 
 def steps_to_target(r: dict) -> Optional[int]:
     """The step of the first evaluation that reached the target (None if none did)."""
-    return next((h["step"] for h in r.get("history", []) if h["accuracy"] >= r["target"]), None)
+    return next((h["step"] for h in r.get("history", [])
+                 if e2e_worker.reached(value(h), r["target"], metric_name(r))), None)
 
 
 def summarize(rows: List[dict], baseline: str = "ddp_allreduce") -> List[dict]:
@@ -215,9 +243,9 @@ def summarize(rows: List[dict], baseline: str = "ddp_allreduce") -> List[dict]:
 
     time_to_target (steps_to_target): median over the seeds, if all reached the target (``reached`` says
     how many did);
-    speedup: baseline's median time to target / this one's; acc_delta: mean over seeds of
-    (final accuracy - the baseline's final accuracy with the same seed); bytes_ratio: baseline tx bytes
-    per step / this one's.
+    speedup: baseline's median time to target / this one's; metric_delta: mean over seeds of (final
+    metric - the baseline's with the same seed), for a loss relative to the baseline's (-0.01: 1% lower);
+    bytes_ratio: baseline tx bytes per step / this one's.
     """
     ok = [r for r in rows if r["status"] == "ok"]
     out = []
@@ -232,16 +260,19 @@ def summarize(rows: List[dict], baseline: str = "ddp_allreduce") -> List[dict]:
         ttt = [r["time_to_target"] for r in sel if r["time_to_target"] is not None]
         sst = [s for s in (steps_to_target(r) for r in sel) if s is not None]
         base_ttt = [r["time_to_target"] for r in base.values() if r["time_to_target"] is not None]
-        accs = [r["final_accuracy"] for r in sel]
-        deltas = [r["final_accuracy"] - base[r["seed"]]["final_accuracy"] for r in sel if r["seed"] in base]
+        metric = metric_name(sel[0])
+        accs = [final_metric(r) for r in sel]
+        deltas = [final_metric(r) - final_metric(base[r["seed"]]) for r in sel if r["seed"] in base]
+        if metric == "loss":
+            deltas = [d / final_metric(base[r["seed"]]) for d, r in zip(deltas, [r for r in sel if r["seed"] in base])]
         tx = _mean([r["tx_bytes_per_step"] for r in sel])
         base_tx = _mean([r["tx_bytes_per_step"] for r in base.values()])
-        row = {"workload": w, "link": link, "contender": c, "status": "ok", "params": sel[0]["params"],
+        row = {"workload": w, "link": link, "contender": c, "status": "ok", "metric": metric, "params": sel[0]["params"],
                "seeds": [r["seed"] for r in sel], "failed_seeds": [r.get("seed") for r in bad],
                "reached": len(ttt), "time_to_target": _median(ttt) if len(ttt) == len(sel) else None,
                "steps_to_target": _median(sst) if len(sst) == len(sel) else None,
-               "final_accuracy": _mean(accs), "final_accuracy_min": min(accs), "final_accuracy_max": max(accs),
-               "acc_delta": _mean(deltas) if deltas else None,
+               "final_metric": _mean(accs), "final_metric_min": min(accs), "final_metric_max": max(accs),
+               "metric_delta": _mean(deltas) if deltas else None,
                "steps": _mean([r["steps"] for r in sel]),
                **{k: _mean([r[k] for r in sel]) for k in ("step_time", "compute", "encode", "communicate")},
                "tx_bytes_per_step": tx, "tx_bytes_total": _mean([r["tx_bytes_total"] for r in sel]),
@@ -256,18 +287,27 @@ def summarize(rows: List[dict], baseline: str = "ddp_allreduce") -> List[dict]:
 
 def markdown(rows: List[dict], a) -> str:
     seeds = ", ".join(str(s) for s in a.seed_list)
-    lines = [f"Command: `{a.command}`", "",
-             f"{a.workers} workers on {os.cpu_count()} cores (torch threads 1 each), batch {a.batch_size} per worker, "
-             f"SGD lr {a.lr} momentum {a.momentum}, seed(s) {seeds}, {a.epochs} epoch(s), "
-             f"train subset {a.train_subset or 60000}, test subset {a.test_subset or 10000}, target {a.target}.", ""]
+    lines = [f"Command: `{a.command}`", "", f"{a.workers} workers on {os.cpu_count()} cores (torch threads 1 each), "
+             f"seed(s) {seeds}."]
+    workloads = set(r["workload"] for r in rows)
+    if workloads - set(e2e_worker.LOSS_WORKLOADS):
+        lines.append(f"MNIST workloads: batch {a.batch_size} per worker, SGD lr {a.lr} momentum {a.momentum}, "
+                     f"{a.epochs} epoch(s), train subset {a.train_subset or 60000}, test subset {a.test_subset or 10000}, "
+                     f"judged by test accuracy, target {a.target if a.target is not None else DEFAULT_TARGETS['accuracy']}.")
+    for w in sorted(workloads & set(e2e_worker.LOSS_WORKLOADS)):
+        lines.append(f"{w}: bench/workloads.py's recipe as bench/quality.py trains it, judged by validation loss, "
+                     f"target {target_for(a, w)}.")
+    lines.append("")
     many = len(a.seed_list) > 1
     summary = summarize(rows)
     for w in dict.fromkeys(r["workload"] for r in summary):
         for link in dict.fromkeys(r["link"] for r in summary if r["workload"] == w):
             sel = [r for r in summary if r["workload"] == w and r["link"] == link]
             params = next((r["params"] for r in sel if r.get("params")), None)
+            loss = sel[0].get("metric") == "loss"
+            name, gap = ("final loss", "Δ loss vs DDP") if loss else ("final acc", "Δ acc vs DDP (pt)")
             lines += [f"### {w} ({_fmt(params, ',')} parameters), link {link}", "",
-                      "| contender | time to target s | vs DDP | steps to target | final acc | Δ acc vs DDP (pt) | steps | step ms "
+                      f"| contender | time to target s | vs DDP | steps to target | {name} | {gap} | steps | step ms "
                       "| compute / encode / comm ms | tx B/step | bytes vs DDP | tc B/step | model B/step "
                       "| total MB/worker |",
                       "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -277,9 +317,9 @@ def markdown(rows: List[dict], a) -> str:
                     continue
                 n = len(r["seeds"])
                 ttt = _fmt(r["time_to_target"]) + (f" ({r['reached']}/{n})" if many and r["reached"] < n else "")
-                acc = f"{r['final_accuracy']:.4f}" + (
-                    f" [{r['final_accuracy_min']:.4f}, {r['final_accuracy_max']:.4f}]" if many else "")
-                delta = "-" if r["acc_delta"] is None else f"{100 * r['acc_delta']:+.2f}"
+                acc = f"{r['final_metric']:.4f}" + (
+                    f" [{r['final_metric_min']:.4f}, {r['final_metric_max']:.4f}]" if many else "")
+                delta = "-" if r["metric_delta"] is None else f"{100 * r['metric_delta']:+.2f}" + ("%" if loss else "")
                 lines.append(
                     f"| {r['contender']} | {ttt} | {_fmt(r['speedup'], '.2f')}{'x' if r['speedup'] else ''} "
                     f"| {_fmt(r['steps_to_target'], '.0f')} | {acc} | {delta} | {r['steps']:.0f} "
@@ -288,12 +328,14 @@ def markdown(rows: List[dict], a) -> str:
                     f"| {_fmt(r.get('tc_bytes_per_step'), ',.0f')} | {_fmt(r['model_bytes_per_step'], ',.0f')} "
                     f"| {r['tx_bytes_total'] / 1e6:.2f} |")
             lines.append("")
-    lines += ["time to target: training wall time until the test accuracy first reached the target"
+    lines += ["time to target: training wall time until the test accuracy first reached the target (a loss: "
+              "first got down to it)"
               + (" (median over seeds; (k/n): only k of n seeds reached it)" if many else "")
               + ". vs DDP: ddp_allreduce's time to target / this one's. steps to target: the step of the first "
-              "evaluation at or above the target. final acc: "
+              "evaluation that reached the target. final acc / loss: "
               + ("mean [min, max] over seeds" if many else "after the last step")
-              + ". Δ acc vs DDP: final accuracy minus ddp_allreduce's with the same seed"
+              + ". Δ vs DDP: final accuracy minus ddp_allreduce's with the same seed (a loss: the difference in % "
+              "of ddp_allreduce's)"
               + (", mean over seeds" if many else "") + ". Times and bytes per step: mean over seeds and ranks.",
               "tx B/step: kernel tx counter of the worker's interface during training steps only (TCP/IP headers "
               "included); bytes vs DDP: ddp_allreduce's tx B/step / this one's. tc B/step: the qdisc's byte counter "
@@ -311,9 +353,10 @@ DEFAULT_CONTENDERS = ("gradshare", "gradshare_auto", "gradshare_optimizer_auto",
 
 
 def _sooner(r: dict) -> tuple:
-    """Sort key: reached the target (all seeds) sooner, then the better final accuracy."""
+    """Sort key: reached the target (all seeds) sooner, then the better final metric."""
     ttt = r.get("time_to_target")
-    return (ttt is None, ttt if ttt is not None else 0.0, -(r.get("final_accuracy") or 0.0))
+    better = r.get("final_metric") or 0.0
+    return (ttt is None, ttt if ttt is not None else 0.0, better if r.get("metric") == "loss" else -better)
 
 
 def contenders_that_matter(summary: List[dict]) -> List[str]:
@@ -367,6 +410,7 @@ def accuracy_panels(rows: List[dict], target: Optional[float] = None) -> List[di
             curves.append({"contender": c, "label": label, "runs": mine})
         rest = [r["contender"] for r in sel if r["status"] == "ok" and r["contender"] not in drawn]
         panels.append({"workload": w, "link": link, "title": f"{w}, {_link(link)}, {_seeds(seeds)}",
+                       "metric": metric_name(runs[0]),
                        "target": runs[0].get("target", target), "curves": curves, "not_drawn": rest})
     return panels
 
@@ -398,20 +442,20 @@ def plots(rows: List[dict], outdir: str, target: Optional[float] = None) -> List
         for curve in panel["curves"]:
             for k, r in enumerate(curve["runs"]):          # every seed, the first one labelled
                 h = r["history"]
-                ax.plot([x["time"] for x in h], [x["accuracy"] for x in h], marker=".", lw=1.2 if k == 0 else 0.8,
+                ax.plot([x["time"] for x in h], [value(x) for x in h], marker=".", lw=1.2 if k == 0 else 0.8,
                         alpha=1.0 if k == 0 else 0.6, color=colors[curve["contender"]],
                         label=curve["label"] if k == 0 else None)
-        goal = panel["target"]
+        goal, loss = panel["target"], panel["metric"] == "loss"
         if goal is not None:
             ax.axhline(goal, color="black", ls="--", lw=0.9, label=f"target {goal:g}")
-            ax.set_ylim(max(0.0, goal - 0.25), 1.0)
+            ax.set_ylim(*((goal - 0.15, goal + 0.6) if loss else (max(0.0, goal - 0.25), 1.0)))
         ax.set_title(panel["title"])
         rest = panel["not_drawn"]
         note = textwrap.fill(f"not drawn: {', '.join(rest)} (results.md)", 80) if rest else ""
         ax.set_xlabel("training wall time (s)" + (f"\n{note}" if note else ""), fontsize=8 if note else None)
-        ax.set_ylabel("test accuracy")
+        ax.set_ylabel("validation loss" if loss else "test accuracy")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, loc="upper right" if loss else "lower right")
     fig.tight_layout()
     files.append(os.path.join(outdir, "accuracy_vs_time.png"))
     fig.savefig(files[-1], dpi=110)
@@ -460,7 +504,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", default="", help="comma-separated seeds, each a full run of every contender "
                                                 "(overrides --seed); the tables summarise over them")
     ap.add_argument("--eval-every", type=int, default=25)
-    ap.add_argument("--target", type=float, default=0.95)
+    ap.add_argument("--target", type=float, default=None,
+                    help="test accuracy to reach (default 0.95), or for char_lm the validation loss to get down to "
+                         "(default 2.25); one number cannot serve both kinds: run them separately to give one")
     ap.add_argument("--max-train-seconds", type=float, default=0.0, help="per contender (0: none)")
     ap.add_argument("--period", type=int, default=5)
     ap.add_argument("--powersgd-rank", type=int, default=2)
@@ -483,6 +529,16 @@ def main(argv=None) -> int:
             if k not in given:
                 setattr(a, k, v)
     a.seed_list = [int(x) for x in a.seeds.split(",") if x.strip()] or [a.seed]
+    unknown = [w for w in a.workloads.split(",") if w not in e2e_worker.WORKLOADS]
+    if unknown and not a.report:
+        ap.error(f"unknown workload(s) {unknown}: choose from {', '.join(e2e_worker.WORKLOADS)}")
+    for c in a.contenders.split(","):
+        try:
+            e2e_worker.contender_name(c.strip()) if c.strip() and not a.report else None
+        except argparse.ArgumentTypeError as exc:
+            ap.error(str(exc))
+    if a.target is not None and len({e2e_worker.metric_of(w) for w in a.workloads.split(",")}) > 1 and not a.report:
+        ap.error("--target: these workloads are judged by accuracy and by loss; run them separately to give a target")
     a.command = "python bench/e2e.py " + " ".join(raw)
     written = []
     if a.report:                     # re-render the tables and plots of an earlier run from its results.json

@@ -1,10 +1,15 @@
 """One contender's training run on one rank (started by torchrun; bench/e2e.py drives it).
 
-Every contender trains the same model from the same seed on the same data order (gradshare.data.train_shard),
-batch size, optimizer (SGD + momentum) and epochs; only the exchange differs. Measured per rank:
+Every contender trains the same model from the same seed on the same data order, batch size, optimizer and
+steps; only the exchange differs. The MNIST workloads (``mnist_cnn``, ``mlp``) train with SGD + momentum
+(``--lr``, ``--momentum``) for ``--epochs`` over gradshare.data.train_shard and are judged by test accuracy;
+``char_lm`` is bench/workloads.py's recipe as bench/quality.py runs it (AdamW lr 3e-3, cosine decay over 300
+steps, 16 windows per rank, its own batches) and is judged by validation loss (lower is better: the target
+is a loss to get down to). Contenders with local steps take the averaging period from ``--period`` or from
+a suffix: ``gradshare_diloco_h50`` averages every 50 steps. Measured per rank:
 
-* wall time of training only (evaluation pauses the clock), and test accuracy at every evaluation
-  (rank 0 evaluates the full test subset, with the threads of the ranks that wait for it at a broadcast);
+* wall time of training only (evaluation pauses the clock), and the metric at every evaluation
+  (rank 0 evaluates the held-out data, with the threads of the ranks that wait for it at a broadcast);
 * bytes sent: the interface's kernel tx counter (``/sys/class/net/<if>/statistics/tx_bytes``) summed over
   training segments only (GRADSHARE_NETNS_IFNAME, set by bench/netns.py), plus what the contender's own
   accounting says (gradshare's ``stats.bytes_sent``, ``ParameterAveraging.bytes_sent``);
@@ -24,12 +29,14 @@ import math
 import os
 import sys
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
+
+os.environ.setdefault("RUST_LOG", "warn")   # torchft's Rust servers log every quorum at info (read at its import)
 
 # contender name -> what it runs
 CONTENDERS: Dict[str, str] = {
@@ -39,30 +46,72 @@ CONTENDERS: Dict[str, str] = {
     "gradshare_optimizer_auto": "gradshare SharedOptimizer(opt): the defaults (link-aware)",
     "gradshare_compressed": "DDP + gradshare threshold_hook with ThresholdState(optimizer=opt, link=None): the defaults' "
                             "compression at every step, whatever the link",
+    "gradshare_delayed": "gradshare_compressed one step late (delay=1): each step's mean update applied at the end of "
+                         "the next, its exchange overlapping that step; evaluated as it trains",
     "ddp_fp16": "DDP + fp16_compress_hook",
     "ddp_powersgd": "DDP + powerSGD_hook (rank 2, start_powerSGD_iter = 10% of steps)",
     "torch_averaging": "local SGD + PostLocalSGDOptimizer(PeriodicModelAverager(period))",
     "gradshare_hook": "DDP + gradshare threshold_hook (Adaptive, ResidualClipping)",
     "gradshare_optimizer": "gradshare SharedOptimizer (Adaptive, ResidualClipping)",
-    "gradshare_averaging": "gradshare ParameterAveraging(frequency=period)",
+    "gradshare_averaging": "gradshare ParameterAveraging(frequency=period): parameters and optimizer state averaged",
+    "gradshare_diloco": "gradshare ParameterAveraging as `gradshare train --mode diloco` sets it up: the mean change "
+                        "every period steps through the outer optimizer (lr 1, no momentum), inner state local",
+    "gradshare_sparse_local": "gradshare ParameterAveraging as `gradshare train --mode sparse_local` sets it up: every "
+                              "period steps the change's top 2% with error feedback (decay 0.9)",
+    "gradshare_ternary_local": "gradshare ParameterAveraging(compression=Ternary(), residual_decay=0.9): every period "
+                               "steps the change ternary-coded (2 bits an element) with error feedback",
     "gradshare_hook_dgc": "DDP + gradshare threshold_hook with momentum correction (momentum moved into the hook, "
                           "plain SGD), Adaptive(initial=dgc_initial_tau, decay=dgc_decay, warmup_steps=dgc_warmup_steps)",
     "gradshare_optimizer_dgc": "gradshare SharedOptimizer(plain SGD, momentum=momentum), "
                                "Adaptive(initial=dgc_initial_tau, decay=dgc_decay, warmup_steps=dgc_warmup_steps)",
+    "torchft_diloco": "torchft DiLoCo (each rank a replica group, lighthouse on rank 0, torchft's gloo group): the "
+                      "mean change every period steps through SGD(lr 0.7, momentum 0.9, Nesterov), inner state local",
 }
-WORKLOADS = ("mnist_cnn", "mlp")
+WORKLOADS = ("mnist_cnn", "mlp", "char_lm")
+LOSS_WORKLOADS = ("char_lm",)       # judged by validation loss, trained with bench/workloads.py's recipe
+# contenders that talk once every `period` steps: the period can be given as a suffix, NAME_hPERIOD
+PERIODIC = ("torch_averaging", "gradshare_averaging", "gradshare_diloco", "gradshare_sparse_local",
+            "gradshare_ternary_local", "torchft_diloco")
+
+
+def metric_of(workload: str) -> str:
+    """What a workload is judged by: "accuracy" (higher is better) or "loss" (lower is better)."""
+    return "loss" if workload in LOSS_WORKLOADS else "accuracy"
+
+
+def reached(value: float, target: float, metric: str) -> bool:
+    return value <= target if metric == "loss" else value >= target
+
+
+def split_period(contender: str) -> Tuple[str, Optional[int]]:
+    """``gradshare_diloco_h50`` -> ("gradshare_diloco", 50); a name without a period suffix -> (name, None)."""
+    base, sep, h = contender.rpartition("_h")
+    if sep and h.isdigit() and int(h) > 0 and base in PERIODIC:
+        return base, int(h)
+    return contender, None
+
+
+def describe(contender: str) -> str:
+    base, period = split_period(contender)
+    return CONTENDERS[base] + (f", period {period}" if period else "")
 
 
 def missing_reason(contender: str) -> Optional[str]:
     """Why a contender cannot run in this environment (its gradshare module is absent), else None."""
+    contender = split_period(contender)[0]
     need = {"gradshare_auto": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
             "gradshare_compressed": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
+            "gradshare_delayed": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
             "gradshare_optimizer_auto": ("gradshare.optim", ("SharedOptimizer",)),
             "gradshare_hook": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
             "gradshare_optimizer": ("gradshare.optim", ("SharedOptimizer",)),
             "gradshare_hook_dgc": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
             "gradshare_optimizer_dgc": ("gradshare.optim", ("SharedOptimizer",)),
-            "gradshare_averaging": ("gradshare.averaging", ("ParameterAveraging",))}.get(contender)
+            "gradshare_averaging": ("gradshare.averaging", ("ParameterAveraging",)),
+            "gradshare_diloco": ("gradshare.train", ("local_steps_options",)),
+            "gradshare_sparse_local": ("gradshare.train", ("local_steps_options",)),
+            "gradshare_ternary_local": ("gradshare.averaging", ("ParameterAveraging",)),
+            "torchft_diloco": ("torchft.local_sgd", ("DiLoCo",))}.get(contender)
     if contender not in CONTENDERS:
         return f"unknown contender {contender!r}"
     if need is None:
@@ -77,7 +126,7 @@ def missing_reason(contender: str) -> Optional[str]:
     return f"{need[0]} lacks {', '.join(absent)}" if absent else None
 
 
-# ------------------------------------------------------------------------------------------------ models
+# ------------------------------------------------------------------------------------------------ workloads
 def build_model(workload: str) -> nn.Module:
     if workload == "mnist_cnn":
         from gradshare.models import SmallCNN
@@ -87,10 +136,13 @@ def build_model(workload: str) -> nn.Module:
         from workloads import MLP
 
         return MLP()
+    if workload in LOSS_WORKLOADS:
+        import workloads
+
+        return workloads.WORKLOADS[workload].model()
     raise ValueError(f"unknown workload {workload!r} (use {', '.join(WORKLOADS)})")
 
 
-# ------------------------------------------------------------------------------------------------ data
 def load_data(data_dir: str, train_subset: int, test_subset: int, seed: int):
     from gradshare.data import load_mnist
 
@@ -115,6 +167,67 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 10
         correct += int((model(x[i:i + batch]).argmax(1) == y[i:i + batch]).sum())
     model.train(was)
     return correct / max(1, len(y))
+
+
+class Task:
+    """One workload as every contender trains it: its batches in order, optimizer, lr schedule, loss and metric.
+
+    MNIST workloads: SGD (--lr, --momentum) at a constant lr, --epochs over gradshare.data.train_shard, test
+    accuracy. Loss workloads: bench/workloads.py's recipe exactly as bench/quality.py trains it (its optimizer,
+    batch, steps, cosine decay to zero and batches), validation loss."""
+
+    def __init__(self, args, rank: int, world: int):
+        self.workload, self.metric, self.rank, self.world = args.workload, metric_of(args.workload), rank, world
+        self.seed, self.epochs = args.seed, args.epochs
+        self.optimizers: list = []                  # every inner optimizer made (the schedule drives them)
+        if self.metric == "loss":
+            import workloads
+
+            self.recipe = workloads.WORKLOADS[args.workload]
+            self.data = workloads.Data(args.workload, args.seed)
+            self.batch_size, self.total_steps = self.recipe.batch, self.recipe.steps
+            self.steps_per_epoch = self.total_steps
+            self._make = self.recipe.optimizer
+        else:
+            (self.xtr, self.ytr), (self.xte, self.yte) = load_data(args.data_dir, args.train_subset,
+                                                                   args.test_subset, args.seed)
+            self.batch_size = args.batch_size
+            per_rank = -(-len(self.ytr) // world)
+            self.steps_per_epoch = -(-per_rank // args.batch_size)
+            self.total_steps = self.steps_per_epoch * args.epochs
+            self._make = lambda ps: torch.optim.SGD(ps, lr=args.lr, momentum=args.momentum)
+
+    def optimizer(self, params) -> torch.optim.Optimizer:
+        opt = self._make(params)
+        self.optimizers.append(opt)
+        return opt
+
+    def schedulers(self) -> list:
+        """The lr schedule on the inner optimizer the contender made (quality.py's: cosine to zero), if any."""
+        if self.metric != "loss":
+            return []
+        return [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=self.total_steps) for o in self.optimizers[-1:]]
+
+    def batches(self):
+        """(inputs, targets) of every training step, in order."""
+        if self.metric == "loss":
+            for step in range(self.total_steps):
+                yield self.data.batch(step, self.rank, self.world, self.batch_size)
+            return
+        from gradshare.data import train_shard
+
+        for epoch in range(self.epochs):
+            order = train_shard(len(self.ytr), self.rank, self.world, seed=self.seed, epoch=epoch)
+            for i in range(0, len(order), self.batch_size):
+                idx = order[i:i + self.batch_size]
+                yield self.xtr[idx], self.ytr[idx]
+
+    @staticmethod
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+    def evaluate(self, model: nn.Module) -> float:
+        return self.data.evaluate(model) if self.metric == "loss" else evaluate(model, self.xte, self.yte)
 
 
 # ------------------------------------------------------------------------------------------------ bytes
@@ -142,14 +255,21 @@ class Timer:
         return timed_hook
 
 
-def setup_contender(name: str, model: nn.Module, args, total_steps: int, timer: Timer):
+def setup_contender(contender: str, model: nn.Module, args, task: Task, timer: Timer):
     """Returns (module to call, optimizer-like with zero_grad/step, info dict, accounting callable)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    sgd = lambda params: torch.optim.SGD(params, lr=args.lr, momentum=args.momentum)  # noqa: E731
+    name, period = split_period(contender)
+    period = period or args.period
+    total_steps = task.total_steps
+    sgd = task.optimizer                    # the workload's optimizer (SGD + momentum on MNIST, AdamW on the LM)
     info: dict = {}
     account = lambda: None  # noqa: E731  (library's own byte accounting, where it has one)
-    plain_sgd = lambda params: torch.optim.SGD(params, lr=args.lr)  # noqa: E731  (momentum correction)
+
+    def plain_sgd(params):                  # momentum correction: the momentum moves into gradshare
+        if task.metric == "loss":
+            raise ValueError(f"{name}: momentum correction needs an SGD workload, not {task.workload}")
+        return task.optimizer([{"params": list(params), "momentum": 0.0}])
 
     def dgc_config():
         from gradshare.thresholds import Adaptive, ResidualClipping
@@ -159,8 +279,8 @@ def setup_contender(name: str, model: nn.Module, args, total_steps: int, timer: 
         th = Adaptive(initial=args.dgc_initial_tau, decay=args.dgc_decay, warmup_steps=args.dgc_warmup_steps)
         return th, (ResidualClipping() if args.dgc_clipping else None)
 
-    if name in ("ddp_allreduce", "ddp_fp16", "ddp_powersgd", "gradshare_auto", "gradshare_compressed", "gradshare_hook",
-                "gradshare_hook_dgc"):
+    if name in ("ddp_allreduce", "ddp_fp16", "ddp_powersgd", "gradshare_auto", "gradshare_compressed",
+                "gradshare_delayed", "gradshare_hook", "gradshare_hook_dgc"):
         if name == "ddp_powersgd":
             # One bucket: on gloo, powerSGD_hook issues its Q allreduce from the P allreduce's callback, which
             # races with the next bucket's hook, so ranks can order collectives differently and gloo aborts
@@ -183,11 +303,13 @@ def setup_contender(name: str, model: nn.Module, args, total_steps: int, timer: 
                                      warm_start=True, random_seed=args.seed)
             ddp.register_comm_hook(state, timer.wrap(ps.powerSGD_hook))
             info.update(start_powerSGD_iter=start, matrix_approximation_rank=args.powersgd_rank)
-        elif name in ("gradshare_auto", "gradshare_compressed"):
+        elif name in ("gradshare_auto", "gradshare_compressed", "gradshare_delayed"):
             from gradshare.hooks import ThresholdState, threshold_hook
 
             opt = sgd(ddp.parameters())
-            state = ThresholdState(optimizer=opt) if name == "gradshare_auto" else ThresholdState(optimizer=opt, link=None)
+            kwargs = {"gradshare_auto": {}, "gradshare_compressed": {"link": None},
+                      "gradshare_delayed": {"link": None, "delay": 1}}[name]
+            state = ThresholdState(optimizer=opt, **kwargs)
             ddp.register_comm_hook(state, timer.wrap(threshold_hook))
             info["compression"] = repr(state.sharing.compression)
             account = lambda: {"bytes_sent": state.stats.bytes_sent, "dense_bytes": state.stats.dense_bytes,  # noqa
@@ -217,8 +339,8 @@ def setup_contender(name: str, model: nn.Module, args, total_steps: int, timer: 
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
         from torch.distributed.optim import PostLocalSGDOptimizer
 
-        opt = PostLocalSGDOptimizer(sgd(model.parameters()), PeriodicModelAverager(period=args.period, warmup_steps=0))
-        info["period"] = args.period
+        opt = PostLocalSGDOptimizer(sgd(model.parameters()), PeriodicModelAverager(period=period, warmup_steps=0))
+        info["period"] = period
         return model, opt, info, account
     if name == "gradshare_optimizer_auto":
         from gradshare.optim import SharedOptimizer
@@ -250,9 +372,72 @@ def setup_contender(name: str, model: nn.Module, args, total_steps: int, timer: 
     if name == "gradshare_averaging":
         from gradshare.averaging import ParameterAveraging
 
-        opt = ParameterAveraging(model, sgd(model.parameters()), frequency=args.period)
-        info["period"] = args.period
+        opt = ParameterAveraging(model, sgd(model.parameters()), frequency=period)
+        info["period"] = period
         account = lambda: {"bytes_sent": opt.bytes_sent, "dense_bytes": opt.dense_bytes}  # noqa: E731
+        return model, opt, info, account
+    if name in ("gradshare_diloco", "gradshare_sparse_local", "gradshare_ternary_local"):
+        from gradshare.averaging import ParameterAveraging
+        from gradshare.compression import Ternary
+        from gradshare.train import local_steps_options
+
+        if name == "gradshare_ternary_local":
+            kwargs = {"compression": Ternary(), "residual_decay": 0.9}
+        else:                               # what `gradshare train --mode diloco / sparse_local` sets up
+            o = local_steps_options({"mode": name[len("gradshare_"):]})
+            outer = o["outer_optimizer"]
+            kwargs = {"compression": o["compression"], "residual_decay": o["residual_decay"],
+                      "outer_optimizer": None if outer is None else (lambda ps, c=outer: c[0](ps, **c[1]))}
+            info["outer_optimizer"] = None if outer is None else f"{outer[0].__name__}({outer[1]})"
+        opt = ParameterAveraging(model, sgd(model.parameters()), frequency=period, **kwargs)
+        info.update(period=period, compression=repr(kwargs["compression"]), residual_decay=kwargs["residual_decay"])
+        account = lambda: {"bytes_sent": opt.bytes_sent, "dense_bytes": opt.dense_bytes}  # noqa: E731
+        return model, opt, info, account
+    if name == "torchft_diloco":            # one replica group per rank, as torchft's DiLoCo tests set it up
+        import contextlib
+        import importlib.metadata
+        import socket
+        from datetime import timedelta
+        from types import SimpleNamespace
+
+        from gradshare.costmodel import ring_allreduce_bytes
+        from torchft.coordination import LighthouseServer
+        from torchft.local_sgd import DiLoCo
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:   # this rank's address on the way to rank 0
+            s.connect((os.environ["MASTER_ADDR"], 9))
+            host = s.getsockname()[0]
+        stack, lighthouse = contextlib.ExitStack(), [None]
+        if rank == 0:
+            server = LighthouseServer(bind="0.0.0.0:0", min_replicas=world)
+            stack.callback(server.shutdown)
+            lighthouse[0] = f"http://{host}:{server.address().rsplit(':', 1)[1]}"
+        dist.broadcast_object_list(lighthouse, 0)
+        stack.callback(dist.barrier)            # the lighthouse goes last
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)   # the replica group's own store
+        timeout = timedelta(seconds=300)
+        manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
+                          min_replica_size=world, use_async_quorum=False, init_sync=False,  # same seed, same start
+                          replica_id=str(rank), rank=0, world_size=1, store_addr=host, store_port=store.port,
+                          lighthouse_addr=lighthouse[0], hostname=host, timeout=timeout, quorum_timeout=timeout)
+        stack.callback(manager.shutdown)
+        sent, allreduce = [0], manager.allreduce
+
+        def counted_allreduce(t, *a, **k):
+            sent[0] += ring_allreduce_bytes(world, t.numel(), t.element_size())
+            return allreduce(t, *a, **k)
+
+        manager.allreduce = counted_allreduce
+        inner = sgd(model.parameters())
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        stack.enter_context(DiLoCo(manager, [model], inner, outer, sync_every=period))
+        info.update(period=period, outer_optimizer="SGD(lr=0.7, momentum=0.9, nesterov=True)",
+                    torchft=importlib.metadata.version("torchft"))
+        account = lambda: {"bytes_sent": sent[0], "dense_bytes": sent[0]}  # noqa: E731
+        opt = SimpleNamespace(zero_grad=inner.zero_grad, step=lambda: inner.step(), close=stack.close, store=store)
         return model, opt, info, account
     raise ValueError(f"unknown contender {name!r}")
 
@@ -267,15 +452,15 @@ def _jsonable(x):
     return json.loads(json.dumps(x, default=lambda o: str(o)))
 
 
-def calibrate_compute(model: nn.Module, x: torch.Tensor, y: torch.Tensor, args, steps: int = 4) -> float:
-    """Median seconds of a local forward/backward/SGD step on a copy of the model (no exchange)."""
+def calibrate_compute(model: nn.Module, task: Task, x: torch.Tensor, y: torch.Tensor, steps: int = 4) -> float:
+    """Median seconds of a local forward/backward/optimizer step on a copy of the model (no exchange)."""
     m = copy.deepcopy(model)
-    opt = torch.optim.SGD(m.parameters(), lr=args.lr, momentum=args.momentum)
+    opt = task._make(m.parameters())
     times = []
     for i in range(steps + 1):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        F.cross_entropy(m(x), y).backward()
+        task.loss(m(x), y).backward()
         opt.step()
         if i:
             times.append(time.perf_counter() - t0)
@@ -287,23 +472,19 @@ def calibrate_compute(model: nn.Module, x: torch.Tensor, y: torch.Tensor, args, 
 def run(args) -> dict:
     from gradshare.cluster import _init_process_group   # the torchrun environment, as the cluster trainer joins it
     from gradshare import process_group
-    from gradshare.data import train_shard
 
     torch.set_num_threads(1)
     _init_process_group("gloo", collective_timeout=300.0)
     rank, world = dist.get_rank(), dist.get_world_size()
-    (xtr, ytr), (xte, yte) = load_data(args.data_dir, args.train_subset, args.test_subset, args.seed)
+    task = Task(args, rank, world)
     torch.manual_seed(args.seed)
     model = build_model(args.workload)
     params = sum(p.numel() for p in model.parameters())
     shapes = [list(p.shape) for p in model.parameters()]
-    per_rank = -(-len(ytr) // world)
-    steps_per_epoch = -(-per_rank // args.batch_size)
-    total_steps = steps_per_epoch * args.epochs
-    first = train_shard(len(ytr), rank, world, seed=args.seed, epoch=0)[: args.batch_size]
-    compute = calibrate_compute(model, xtr[first], ytr[first], args)
+    compute = calibrate_compute(model, task, *next(iter(task.batches())))
     timer = Timer()
-    net, opt, info, account = setup_contender(args.contender, model, args, total_steps, timer)
+    net, opt, info, account = setup_contender(args.contender, model, args, task, timer)
+    schedulers = task.schedulers()
     dist.barrier()
 
     history, train_time, step, steps_timed = [], 0.0, 0, 0
@@ -317,13 +498,10 @@ def run(args) -> dict:
             # off the clock, and the other ranks wait at the broadcast below: let rank 0 use their cores
             threads = torch.get_num_threads()
             torch.set_num_threads(max(threads, min(world, os.cpu_count() or 1)))
-            acc = evaluate(model, xte, yte)
+            value = task.evaluate(model)
             torch.set_num_threads(threads)
-        else:
-            acc = float("nan")
-        if rank == 0:
-            history.append({"time": train_time, "step": step, "accuracy": acc})
-            if time_to_target is None and acc >= args.target:
+            history.append({"time": train_time, "step": step, "value": value})
+            if time_to_target is None and reached(value, args.target, task.metric):
                 time_to_target = train_time
         flag = torch.tensor([1 if (rank == 0 and args.max_train_seconds and train_time >= args.max_train_seconds)
                              else 0])
@@ -331,65 +509,73 @@ def run(args) -> dict:
         return bool(flag.item()) and not final
 
     checkpoint()
-    for epoch in range(args.epochs):
-        order = train_shard(len(ytr), rank, world, seed=args.seed, epoch=epoch)
-        for i in range(0, len(order), args.batch_size):
-            idx = order[i:i + args.batch_size]
-            tx0 = tx_bytes()
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(net(xtr[idx]), ytr[idx])
-            loss.backward()
-            opt.step()
-            train_time += time.perf_counter() - t0
-            sent += tx_bytes() - tx0
-            step += 1
-            steps_timed += 1
-            if not math.isfinite(loss.item()):
-                raise FloatingPointError(f"{args.contender}: non-finite loss at step {step}")
-            if step % args.eval_every == 0 and checkpoint():
-                stop = True
-                break
-        if stop:
+    for x, y in task.batches():
+        tx0 = tx_bytes()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = task.loss(net(x), y)
+        loss.backward()
+        opt.step()
+        for sched in schedulers:
+            sched.step()
+        train_time += time.perf_counter() - t0
+        sent += tx_bytes() - tx0
+        step += 1
+        steps_timed += 1
+        if not math.isfinite(loss.item()):
+            raise FloatingPointError(f"{args.contender}: non-finite loss at step {step}")
+        if step % args.eval_every == 0 and checkpoint():
+            stop = True
             break
     if step % args.eval_every != 0:          # the same decision on every rank (a collective follows)
         checkpoint(final=True)
     step_time = train_time / max(1, steps_timed)
     encode = timer.seconds / max(1, steps_timed)
     out = {
-        "contender": args.contender, "workload": args.workload, "rank": rank, "world_size": world,
-        "params": params, "shapes": shapes, "steps": step, "steps_per_epoch": steps_per_epoch,
-        "epochs_planned": args.epochs, "stopped_by_time_budget": stop, "batch_size": args.batch_size,
-        "train_time": train_time, "step_time": step_time, "compute": compute, "encode": encode,
-        "communicate": max(0.0, step_time - compute - encode),
+        "contender": args.contender, "workload": args.workload, "metric": task.metric, "rank": rank,
+        "world_size": world, "params": params, "shapes": shapes, "steps": step,
+        "steps_per_epoch": task.steps_per_epoch, "epochs_planned": args.epochs, "stopped_by_time_budget": stop,
+        "batch_size": task.batch_size, "train_time": train_time, "step_time": step_time, "compute": compute,
+        "encode": encode, "communicate": max(0.0, step_time - compute - encode),
         "tx_bytes_train": sent, "tx_bytes_per_step": sent / max(1, steps_timed),
         "history": history, "time_to_target": time_to_target, "target": args.target,
-        "final_accuracy": history[-1]["accuracy"] if history else None, "info": info,
+        "final_metric": history[-1]["value"] if history else None, "info": info,
         "library_accounting": account(), "ifname": os.environ.get("GRADSHARE_NETNS_IFNAME", "lo"),
     }
     path = args.out.format(rank=rank)
     with open(path, "w") as f:
         json.dump(out, f)
     dist.barrier()
+    if hasattr(opt, "close"):               # torchft_diloco: its manager and lighthouse
+        opt.close()
     process_group.destroy_process_group()
     return out
 
 
+def contender_name(text: str) -> str:
+    """argparse type: a contender, or a periodic one with its period (``gradshare_diloco_h50``)."""
+    if split_period(text)[0] not in CONTENDERS:
+        raise argparse.ArgumentTypeError(f"unknown contender {text!r} (choose from {', '.join(sorted(CONTENDERS))}; "
+                                         f"{', '.join(PERIODIC)} take a period suffix such as _h20)")
+    return text
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--contender", required=True, choices=sorted(CONTENDERS))
+    ap.add_argument("--contender", required=True, type=contender_name)
     ap.add_argument("--workload", default="mnist_cnn", choices=WORKLOADS)
     ap.add_argument("--data-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "mnist"))
     ap.add_argument("--train-subset", type=int, default=0, help="0: all 60k")
     ap.add_argument("--test-subset", type=int, default=0, help="0: all 10k")
     ap.add_argument("--epochs", type=int, default=1)
-    ap.add_argument("--batch-size", type=int, default=32, help="per worker")
+    ap.add_argument("--batch-size", type=int, default=32, help="per worker (MNIST workloads; char_lm: its recipe's)")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=25, help="steps between test evaluations")
-    ap.add_argument("--target", type=float, default=0.95, help="test accuracy for time-to-target")
+    ap.add_argument("--target", type=float, default=0.95,
+                    help="time to target: the test accuracy to reach, or for char_lm the validation loss to get down to")
     ap.add_argument("--max-train-seconds", type=float, default=0.0, help="stop at an evaluation past this (0: none)")
-    ap.add_argument("--period", type=int, default=5, help="averaging period (steps)")
+    ap.add_argument("--period", type=int, default=5, help="averaging period (steps) of periodic contenders without a _hN suffix")
     ap.add_argument("--powersgd-rank", type=int, default=2)
     ap.add_argument("--initial-tau", type=float, default=1e-3, help="gradshare Adaptive initial threshold")
     ap.add_argument("--dgc-initial-tau", type=float, default=0.01,

@@ -23,7 +23,8 @@ the record of how the defaults were chosen: ``gradshare_ternary`` / ``gradshare_
 every workload), ``gradshare_gradients`` (the hook without ``optimizer=``: gradients shared),
 ``gradshare_strom`` (DL4J's +-tau with an Adaptive threshold, gradients shared: gradshare's former default),
 ``gradshare_own_moment`` (the defaults with each rank's Adam step left as its own, not rescaled to the global
-batch's second moment: gradshare.second_moment)
+batch's second moment: gradshare.second_moment), ``gradshare_delayed`` (``gradshare`` one step late:
+``delay=1``, each step's mean update applied at the end of the next, ``flush()`` before evaluating)
 and ``single`` (one process alone, same batch per step: what sharing must beat). Any contender with
 ``@bf16`` appended trains under CPU bf16 autocast, with ``@fp16`` under fp16 autocast and a
 torch.amp.GradScaler (``scaler.step`` on the optimizer, as in a user's AMP script).
@@ -53,7 +54,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 CONTENDERS = ("ddp", "powersgd", "gradshare", "gradshare_auto", "gradshare_1e-2", "gradshare_1e-3", "gradshare_ternary",
-              "gradshare_topk", "gradshare_gradients", "gradshare_strom", "gradshare_own_moment", "single",
+              "gradshare_topk", "gradshare_gradients", "gradshare_strom", "gradshare_own_moment", "gradshare_delayed", "single",
               "avg_h5", "avg_h20", "diloco_h20", "diloco_h50", "diloco_h20_m0", "sparse_h20", "sparse_h50", "ternary_h4")
 LOCAL_STEPS = {
     "avg_h5": "dict(frequency=5)",
@@ -169,6 +170,8 @@ def rank_main(cfg: Dict) -> Dict:
             kwargs["compression"] = gradshare.TopK()
         elif name == "gradshare_own_moment":
             kwargs["link"] = None
+        elif name == "gradshare_delayed":
+            kwargs.update(link=None, delay=1)
         elif name == "gradshare_gradients":
             kwargs = {}
         elif name == "gradshare_strom":
@@ -196,6 +199,8 @@ def rank_main(cfg: Dict) -> Dict:
         counter.on = False
         losses.append(float(loss.detach()))
     seconds = time.perf_counter() - t0
+    if getattr(state, "flush", None) is not None:
+        state.flush()                      # delay=1: the last step's update is applied before evaluating
     metric = data.evaluate(model) if rank == 0 else None
     out = {"rank": rank, "world": world, "params": n, "steps": wl.steps, "metric": metric,
            "train_loss": statistics.fmean(losses[-50:]), "bytes": counter.bytes,

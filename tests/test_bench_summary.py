@@ -1,4 +1,5 @@
 """bench/e2e.py's summary over seeds: the figures the README quotes come from here."""
+import argparse
 import os
 import sys
 
@@ -28,9 +29,39 @@ def test_speedup_accuracy_delta_and_bytes_ratio_against_ddp_seed_by_seed():
     assert s["gs"]["time_to_target"] == 2.0                          # median of 2, 3, 1
     assert s["gs"]["speedup"] == pytest.approx(7.0 / 2.0)           # DDP's median 7 / 2
     # paired by seed: (-0.002 + 0.001 - 0.006) / 3
-    assert s["gs"]["acc_delta"] == pytest.approx(-0.007 / 3)
-    assert (s["gs"]["final_accuracy_min"], s["gs"]["final_accuracy_max"]) == (0.966, 0.969)
+    assert s["gs"]["metric_delta"] == pytest.approx(-0.007 / 3)
+    assert (s["gs"]["final_metric_min"], s["gs"]["final_metric_max"]) == (0.966, 0.969)
     assert s["gs"]["bytes_ratio"] == pytest.approx(100.0)
+
+
+def loss_row(contender, seed, ttt, loss, history):
+    return dict(row(contender, seed, ttt, None, 1000), metric="loss", final_metric=loss, target=2.25,
+                history=[{"time": t, "step": 20 * i, "value": v} for i, (t, v) in enumerate(history)])
+
+
+def test_a_loss_is_reached_going_down_and_compared_in_percent():
+    rows = [loss_row("ddp_allreduce", 0, 9.0, 2.2, [(0, 5.5), (4.5, 2.4), (9.0, 2.2)]),
+            loss_row("gs", 0, 3.0, 2.31, [(0, 5.5), (1.5, 2.6), (3.0, 2.25), (4.5, 2.31)])]
+    s = by_contender(e2e.summarize(rows))
+    assert s["gs"]["metric"] == "loss" and s["gs"]["metric_delta"] == pytest.approx(0.05)   # 5% above DDP's
+    assert s["gs"]["steps_to_target"] == 40 and s["ddp_allreduce"]["steps_to_target"] == 40
+    assert s["gs"]["speedup"] == pytest.approx(3.0)
+    # an accuracy target is reached going up: the same history read as accuracy reaches 2.25 at once
+    acc = [dict(r, metric="accuracy") for r in rows]
+    assert by_contender(e2e.summarize(acc))["gs"]["steps_to_target"] == 0
+    md = e2e.markdown(rows, argparse.Namespace(command="c", workers=2, seed_list=[0], target=None, batch_size=32,
+                                               lr=0.05, momentum=0.9, epochs=1, train_subset=0, test_subset=0))
+    assert "| final loss | Δ loss vs DDP |" in md and "| gs | 3.0 | 3.00x | 40 | 2.3100 | +5.00% |" in md
+
+
+def test_periodic_contenders_take_their_period_from_a_suffix():
+    w = e2e.e2e_worker
+    assert w.split_period("gradshare_diloco_h50") == ("gradshare_diloco", 50)
+    assert w.split_period("torch_averaging") == ("torch_averaging", None)
+    assert w.split_period("gradshare_auto_h5") == ("gradshare_auto_h5", None)      # not a periodic contender
+    assert w.contender_name("gradshare_sparse_local_h20") == "gradshare_sparse_local_h20"
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown contender 'gradshare_auto_h5'"):
+        w.contender_name("gradshare_auto_h5")
 
 
 def test_a_seed_that_misses_the_target_leaves_no_time_to_target():

@@ -330,6 +330,20 @@ def _entries(head: List[int], n: int) -> int:
     return 0
 
 
+def scale_nonfinite(t: torch.Tensor, scale: float) -> torch.Tensor:
+    """``t *= scale`` in place, and in the same pass the test of :func:`any_nonfinite` (a 1-element float
+    tensor on t's device, 1 when t held a NaN or Inf). One read and one write of ``t``, where scaling and
+    then checking would read it twice: the all-reduce of a mean gradient divides after summing, as DDP
+    without a hook divides while copying into its bucket. Uses torch's fused GradScaler kernel (float32 and
+    float64, CPU and CUDA); other dtypes scale, then check."""
+    if t.dtype in (torch.float32, torch.float64):
+        found = torch.zeros(1, dtype=torch.float32, device=t.device)
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            [t], found, torch.full((1,), scale, dtype=torch.float32, device=t.device))
+        return found
+    return any_nonfinite([t.mul_(scale)])
+
+
 def any_nonfinite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """A 1-element float tensor on the tensors' device: 1 when any of them holds a NaN or Inf, else 0.
 

@@ -84,6 +84,9 @@ class ThresholdState(SharingFront):
             of two), so thresholds and residuals are in unscaled units whatever the scale does; a step whose
             gradients overflowed on any rank is dropped on every rank (``nonfinite`` is "skip") and the hook
             returns NaN, so every rank's scaler skips it and backs off, as with DDP. Not pickled.
+        delay: 0 (default) or 1, with ``optimizer=``: each step's shared update is applied at the end of the
+            next ``opt.step()``, so that its exchange travels while that step computes (gradshare.sharing;
+            compresses every step). ``state.flush()`` applies the last one, e.g. before evaluating.
         threshold: the former name of ``compression`` (deprecated).
     """
 
@@ -92,7 +95,7 @@ class ThresholdState(SharingFront):
                  nonfinite: str = "raise", *, average: bool = True, fallback: str = "auto",
                  stats: Optional[Statistics] = None, momentum: Optional[float] = None,
                  optimizer: Optional[torch.optim.Optimizer] = None, bucket_cap_mb: float = 25.0,
-                 link: Any = "auto", scaler: Optional[Any] = None):
+                 link: Any = "auto", scaler: Optional[Any] = None, delay: int = 0):
         if optimizer is not None and momentum is not None:
             raise ValueError("momentum= is for sharing gradients; with optimizer= the optimizer's own momentum "
                              "is used (leave momentum=None)")
@@ -100,7 +103,7 @@ class ThresholdState(SharingFront):
         clip = ResidualClipping() if clipping is _DEFAULT else clipping
         self._config = {"compression": compression, "clipping": clip, "nonfinite": nonfinite,
                         "average": average, "fallback": fallback, "momentum": momentum,
-                        "bucket_cap_mb": bucket_cap_mb, "link": link}
+                        "bucket_cap_mb": bucket_cap_mb, "link": link, "delay": delay}
         # Gradients mode under a GradScaler: an overflow is the scaler's to handle (every rank skips it).
         self.scaler = scaler if optimizer is None else None
         if self.scaler is not None and not callable(getattr(self.scaler, "get_scale", None)):
@@ -109,7 +112,7 @@ class ThresholdState(SharingFront):
                                reduce="mean" if average else "sum",
                                nonfinite="skip" if self.scaler is not None else nonfinite, fallback=fallback,
                                stats=stats, momentum=momentum, clipping=clip,
-                               mode="updates" if optimizer is not None else "gradients", link=link)
+                               mode="updates" if optimizer is not None else "gradients", link=link, delay=delay)
         self.optimizer = optimizer
         self.mode = self.sharing.mode
         self._init_runtime()
@@ -397,11 +400,15 @@ def _updates_hook(state: ThresholdState, bucket, buf: torch.Tensor) -> torch.fut
             with state._lock:
                 state._mean_bad = None
         world = dist.get_world_size(state.process_group)
-        work = dist.all_reduce(buf.div_(world), group=state.process_group, async_op=True)
+        # Summed, then scaled in the pass that checks it (comm.scale_nonfinite); a half-precision bucket is
+        # divided first, so that its sum cannot overflow.
+        wide = buf.dtype in (torch.float32, torch.float64)
+        work = dist.all_reduce(buf if wide else buf.div_(world), group=state.process_group, async_op=True)
 
         def reduced(f) -> torch.Tensor:
             out = f.value()[0]
-            bad = comm.any_nonfinite([out])        # checked here, off the critical path, read in opt.step()
+            # checked here, off the critical path, read in opt.step()
+            bad = comm.scale_nonfinite(out, 1.0 / world) if wide else comm.any_nonfinite([out])
             with state._lock:
                 state._mean_bad = bad if state._mean_bad is None else torch.maximum(state._mean_bad, bad)
             return out

@@ -12,10 +12,15 @@ for each step of a sharing core in "updates" mode, between
 It decides from what it measures, the time from one step's end to the next (compute, exchange and
 whatever the user's loop does), not from a model of the link: it times a few steps of each, agrees the
 medians with every rank (one all-reduce of two numbers, taking the slowest rank's), and keeps the
-faster, preferring the all-reduce unless compression is faster by more than ``margin``. It then
-measures the other choice again from time to time, as rarely as keeps the cost of looking below
-``overhead`` of the run (a link 30x slower than the compressed step is probed every ~1700 steps, one
-about as fast every 50), so that a link that changes is followed. Every rank takes the same decision at
+faster, preferring the all-reduce unless compression is faster by more than ``margin``. A pause of the
+user's loop (an evaluation, a checkpoint, a log flush) lands in one step now and then, and is not the
+exchange's time: no choice is judged on a single step, and the median taken is the lower one (of two
+steps, the faster), so one such step among the samples moves nothing. It then measures the other choice again from time to time, as rarely as keeps the
+cost of looking below ``overhead`` of the run, so that a link that changes is followed. That cost is
+measured, not assumed: the slower choice's extra time on the steps a measurement takes, and both switches
+(into the measurement, and back, whose first all-reduce step averages the optimizer states) over what
+the faster choice's step would have taken. A link 30x slower than the compressed step is looked at again
+every few thousand steps, one about as fast every 50. Every rank takes the same decision at
 the same step, so replicas stay identical.
 
 Switching to the all-reduce makes the ranks' optimizer states and parameters consistent first: what the
@@ -39,14 +44,16 @@ class LinkAware:
     The run starts with ``calibration_steps`` steps by all-reduce (the first untimed), then measures
     compression for up to ``probe_steps`` steps (after one untimed step: a switch's own cost is not the
     link's) and decides. A measurement stops early once the measured choice is ``clear_loss`` times slower
-    than the other: on a slow link the all-reduce is looked at for two steps, not five.
+    than the other, judged on two timed steps at least (one could hold a pause of the user's loop): on a slow
+    link the all-reduce is looked at for three steps, not five.
 
     Args:
         margin: compression is chosen only when its step is faster by more than this fraction.
         probe_steps: steps timed per measurement of a choice, at most.
         calibration_steps: all-reduce steps at the start (>= 2).
         clear_loss: a measurement ends as soon as its choice is this many times slower.
-        overhead: the largest fraction of the run spent re-measuring the slower choice.
+        overhead: the largest fraction of the run spent re-measuring the slower choice (2%: a fast link is
+            where the all-reduce wins, and there gradshare's step should cost what DDP's does).
         min_interval, max_interval: bounds on the steps between two measurements of the slower choice.
         clock: seconds, monotonic (time.perf_counter).
 
@@ -55,7 +62,7 @@ class LinkAware:
     wins on such a measurement, compression is measured again as soon as the warm-up is over.
     """
 
-    def __init__(self, margin: float = 0.05, probe_steps: int = 4, overhead: float = 0.05,
+    def __init__(self, margin: float = 0.05, probe_steps: int = 4, overhead: float = 0.02,
                  min_interval: int = 50, max_interval: int = 5000, calibration_steps: int = 3,
                  clear_loss: float = 2.0, clock: Callable[[], float] = time.perf_counter):
         if not (0 <= float(margin) < 1):
@@ -83,7 +90,9 @@ class LinkAware:
         self.seconds: Dict[str, Optional[float]] = {ALLREDUCE: None, COMPRESSED: None}   # agreed medians
         self.decisions = 0
         self._samples: Dict[str, Deque[float]] = {ALLREDUCE: deque(maxlen=16), COMPRESSED: deque(maxlen=16)}
-        self._switch_seconds = 0.0          # this rank's untimed first step of the last measurement
+        # This rank's last first step of each choice after the other (untimed: a switch's own cost; 0: none yet)
+        self._first: Dict[str, float] = {ALLREDUCE: 0.0, COMPRESSED: 0.0}
+        self._decided_at = 0                # the step of the last decision
         self._last_end: Optional[float] = None
         self._last_mode: Optional[str] = None
 
@@ -103,17 +112,23 @@ class LinkAware:
         now = self.clock()
         mode = self.mode
         timed = self._last_end is not None and mode == self._last_mode   # the first step after a switch is not
+        returned = False
         if timed:
             self._samples[mode].append(now - self._last_end)
-        elif self._last_end is not None and mode == self.probing:
-            self._switch_seconds = now - self._last_end
+        elif self._last_end is not None:
+            self._first[mode] = now - self._last_end
+            returned = not self.plan and mode == self.choice    # back on the choice after measuring the other
         self._last_end, self._last_mode = now, mode
         self.steps += 1
-        if self.plan:
+        if returned:
+            # What going back cost is known only now (the decision came a step before): the next measurement
+            # is scheduled again with it (the same step on every rank: one more all-reduce of a few numbers).
+            self._schedule(self._agree(agree))
+        elif self.plan:
             self.plan.popleft()
             if not self.plan:
                 self._decide(self._agree(agree))
-            elif timed and mode == self.probing:
+            elif timed and mode == self.probing and len(self._samples[mode]) >= 2:
                 agreed = self._agree(agree)
                 other = ALLREDUCE if mode == COMPRESSED else COMPRESSED
                 if agreed[mode] > self.clear_loss * agreed[other]:
@@ -126,8 +141,9 @@ class LinkAware:
             self.probing = other
 
     def _agree(self, agree: Callable[[List[float]], List[float]]) -> Dict[str, float]:
-        t_all, t_comp, switch = agree([self._median(ALLREDUCE), self._median(COMPRESSED), self._switch_seconds])
-        return {ALLREDUCE: t_all, COMPRESSED: t_comp, "switch": switch}
+        t_all, t_comp, first_all, first_comp = agree([self._median(ALLREDUCE), self._median(COMPRESSED),
+                                                      self._first[ALLREDUCE], self._first[COMPRESSED]])
+        return {ALLREDUCE: t_all, COMPRESSED: t_comp, "first": {ALLREDUCE: first_all, COMPRESSED: first_comp}}
 
     def _decide(self, agreed: Dict[str, float]) -> None:
         t_all, t_comp = agreed[ALLREDUCE], agreed[COMPRESSED]
@@ -135,21 +151,35 @@ class LinkAware:
         choice = COMPRESSED if t_comp * (1 + self.margin) < t_all else ALLREDUCE
         self.decisions += 1
         self.choice, self.probing = choice, None
-        win, lose = (t_comp, t_all) if choice == COMPRESSED else (t_all, t_comp)
-        # Measuring the loser again costs its first step (a switch: optimizer states are averaged before the
-        # first all-reduce step) and up to probe_steps more; keep that below `overhead` of the time.
-        if math.isfinite(lose):
-            cost = max(0.0, agreed["switch"] - win) + self.probe_steps * max(0.0, lose - win)
+        self._decided_at = self.steps
+        self._schedule(agreed)
+
+    def _schedule(self, agreed: Dict[str, float]) -> None:
+        """When to measure the slower choice again. Against staying on the faster one, a measurement costs its
+        first step (a switch: the slower choice's step and the switch's own work), the slower choice's extra
+        time on the steps it is timed (two when it loses clearly, else ``probe_steps``) and the first step
+        back (after compressed steps, the all-reduce step that averages the optimizer states); each switch
+        as last measured, or a plain step of that choice before any was. Spread so that this stays below
+        ``overhead`` of the time."""
+        t_all, t_comp = self.seconds[ALLREDUCE], self.seconds[COMPRESSED]
+        win, lose = (t_comp, t_all) if self.choice == COMPRESSED else (t_all, t_comp)
+        if win is not None and lose is not None and math.isfinite(lose):
+            other = ALLREDUCE if self.choice == COMPRESSED else COMPRESSED
+            into, back = agreed["first"][other] or lose, agreed["first"][self.choice] or win
+            timed = 2 if lose > self.clear_loss * win else self.probe_steps
+            cost = max(0.0, into - win) + timed * max(0.0, lose - win) + max(0.0, back - win)
             interval = math.ceil(cost / (self.overhead * win)) if win > 0 else self.max_interval
         else:
             interval = self.max_interval
-        self.next_probe = self.steps + min(self.max_interval, max(self.min_interval, interval))
-        if choice == ALLREDUCE and self.steps < self.steady_from:
+        self.next_probe = self._decided_at + min(self.max_interval, max(self.min_interval, interval))
+        if self.choice == ALLREDUCE and self.steps < self.steady_from:
             self.next_probe = min(self.next_probe, self.steady_from)
 
     def _median(self, mode: str) -> float:
+        """The lower median of a choice's recent steps: one step that held a pause of the user's loop moves
+        it not at all (of two steps it takes the faster), a link that changed moves it within a few steps."""
         recent = list(self._samples[mode])[-self.probe_steps * 4:]
-        return statistics.median(recent) if recent else math.inf
+        return statistics.median_low(recent) if recent else math.inf
 
     # ------------------------------------------------------------------------------------ reporting
     def summary(self) -> Dict[str, Any]:
@@ -186,6 +216,7 @@ class LinkAware:
         self.decisions = int(state["decisions"])
         for samples in self._samples.values():
             samples.clear()
+        self._first = {ALLREDUCE: 0.0, COMPRESSED: 0.0}
         self._last_end = self._last_mode = None
 
     def __repr__(self) -> str:

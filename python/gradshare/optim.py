@@ -75,6 +75,9 @@ class SharedOptimizer(SharingFront, WrappedOptimizer):
         link: "auto" (default): in "updates" mode with the default compression, steps on which the link
             makes compression slower than a float32 all-reduce of the gradients all-reduce them instead
             (gradshare.link); None: always compress.
+        delay: 0 (default) or 1: each step's shared update is applied at the end of the next step, so that
+            its exchange travels while that step computes (DL4J's asynchronous flavour; "updates" mode,
+            compressing every step). Call ``opt.flush()`` to apply the last one, e.g. before evaluating.
         threshold: the former name of ``compression`` (deprecated).
 
     It is a torch.optim.Optimizer over the inner optimizer's ``param_groups`` and ``state`` (the same objects):
@@ -88,7 +91,7 @@ class SharedOptimizer(SharingFront, WrappedOptimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, mode: str = "updates", compression: Any = None,
                  clipping: Any = _DEFAULT, process_group=None, nonfinite: str = "raise", *, reduce: str = "mean",
                  bucket_cap_mb: float = 25.0, fallback: str = "auto", stats: Optional[Statistics] = None,
-                 momentum: Optional[float] = None, link: Any = "auto"):
+                 momentum: Optional[float] = None, link: Any = "auto", delay: int = 0):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
         if momentum is not None:
@@ -106,7 +109,7 @@ class SharedOptimizer(SharingFront, WrappedOptimizer):
         clip = ResidualClipping() if clipping is _DEFAULT else clipping
         self.sharing = Sharing(compression, optimizer=optimizer, process_group=process_group, reduce=reduce,
                                nonfinite=nonfinite, fallback=fallback, stats=stats, momentum=momentum,
-                               clipping=clip, mode=mode, link=link)
+                               clipping=clip, mode=mode, link=link, delay=delay)
         self.sharing.build((p for g in optimizer.param_groups for p in g["params"]), bucket_cap_mb)
 
     # -- gradshare state -------------------------------------------------------------------------------

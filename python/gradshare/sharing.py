@@ -37,6 +37,13 @@ instead (DDP's step, bit for bit) and every rank's optimizer steps on that mean;
 compressed ones applies the mean residual and averages the optimizer states, so the ranks' states and
 parameters are equal again. Every rank takes the same path at the same step.
 
+One step late (``delay=1``, DL4J's asynchronous flavour; sharing updates, compressing every step): a step's
+exchange is launched at its end and collected at the end of the next step, so that it travels while the
+next step computes. Every rank applies step t's decoded mean at the end of step t+1 (each rank's own
+update of step t is not applied alone), so replicas stay identical and each gradient is one update stale.
+:meth:`Sharing.flush` applies what is still travelling (before an evaluation, or at the end of training);
+a checkpoint holds the arrived mean, so a resumed run goes on as the uninterrupted one would.
+
 Agreement: before a bucket's first exchange (and after DDP rebuilds its buckets) the ranks all-gather a
 32-byte digest of their configuration: gradshare's version, world size, mode, compression policy and its
 parameters, reduce / nonfinite / fallback / momentum, and the bucket's layout (shapes and dtypes in
@@ -90,6 +97,7 @@ class Bucket:
         self._buffer: Optional[torch.Tensor] = None
         self._flat: Optional[torch.Tensor] = None
         self.snapshot: Optional[torch.Tensor] = None          # parameters before the local step (updates)
+        self.mean: Optional[torch.Tensor] = None              # delay=1: the decoded mean still to be applied
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -208,6 +216,10 @@ class SharingFront:
         """The policy every bucket encodes with (gradshare.compression)."""
         return self.sharing.compression
 
+    def flush(self) -> bool:
+        """With ``delay=1``: applies the update still travelling now, on every rank (Sharing.flush)."""
+        return self.sharing.flush()
+
 
 class Sharing:
     """Error-feedback sharing of a set of buckets over a process group; one home for a bucket's step.
@@ -231,12 +243,14 @@ class Sharing:
         link: "auto" (default): link-aware (gradshare.link.LinkAware: a float32 all-reduce of gradients on
             steps where the link makes compression slower) when sharing updates with the default
             compression, mean reduce and fallback; None: always compress; a LinkAware: use it (updates).
+        delay: 0 (default) or 1: each step's mean update applied at the end of the next step, its exchange
+            overlapping that step (module docstring). Sharing updates only; it compresses every step (no link).
     """
 
     def __init__(self, compression: Any = None, *, optimizer: Optional[torch.optim.Optimizer] = None,
                  process_group=None, reduce: str = "mean", nonfinite: str = "raise", fallback: str = "auto",
                  stats: Optional[Statistics] = None, momentum: Optional[float] = None, clipping=None,
-                 mode: str = "gradients", residual_decay: float = 1.0, link: Any = "auto"):
+                 mode: str = "gradients", residual_decay: float = 1.0, link: Any = "auto", delay: int = 0):
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite: expected 'raise' or 'skip', got {nonfinite!r}")
         if reduce not in REDUCE:
@@ -245,6 +259,16 @@ class Sharing:
             raise ValueError(f"momentum: expected None or a value in [0, 1), got {momentum}")
         if not 0.0 < float(residual_decay) <= 1.0:
             raise ValueError(f"residual_decay: expected a value in (0, 1], got {residual_decay}")
+        if isinstance(delay, bool) or delay not in (0, 1):
+            raise ValueError(f"delay: expected 0 or 1 (steps an update waits before it is applied), got {delay!r}")
+        if delay and mode != "updates":
+            raise ValueError("delay=1 applies the shared updates a step late: it needs mode=\"updates\" (an "
+                             "optimizer), gradients must be averaged before the optimizer steps")
+        if delay and isinstance(link, LinkAware):
+            raise ValueError("delay=1 compresses every step: it cannot be combined with a LinkAware (pass link=None)")
+        self.delay = int(delay)
+        self._inflight: Optional[List[Tuple[Bucket, torch.futures.Future]]] = None   # delay=1: last step's exchanges
+        self._arrived: Optional[bool] = None   # delay=1: they were collected; True: each bucket's ``mean`` is to apply
         self.residual_decay = float(residual_decay)
         self.optimizer = optimizer
         # Sharing an Adam's updates: each rank's step rescaled to the global batch's second moment
@@ -262,7 +286,7 @@ class Sharing:
         self.step = 0                  # steps completed (the policies' step: warm-up, clipping)
         self.step_skipped = False
         self.buckets: List[Bucket] = []
-        self.link = _resolve_link(link, chosen is None and mode == "updates" and reduce == "mean"
+        self.link = _resolve_link(link, chosen is None and mode == "updates" and reduce == "mean" and not delay
                                   and fallback == "auto" and momentum is None and self.residual_decay == 1.0, mode)
         if self.link is not None:
             self.link.steady_from = int(getattr(self.compression, "warmup_steps", 0))
@@ -309,7 +333,7 @@ class Sharing:
                 "compression": b.compression.config(), "reduce": self.reduce, "nonfinite": self.nonfinite,
                 "fallback": self.fallback, "momentum": self.momentum, "residual decay": self.residual_decay,
                 "second moment": "global batch" if self.global_second_moment else "own",
-                "link": None if self.link is None else self.link.config(), "bucket": b.index,
+                "link": None if self.link is None else self.link.config(), "delay": self.delay, "bucket": b.index,
                 "bucket layout": [f"{tuple(p.shape)} {str(p.dtype).replace('torch.', '')}" for p in b.params]}
 
     def agree(self, b: Bucket) -> None:
@@ -400,22 +424,35 @@ class Sharing:
     def run(self, items: Sequence[Tuple[Bucket, torch.Tensor, torch.Tensor]]) -> List[Tuple[Bucket, ExchangeResult]]:
         """Exchanges (bucket, update, out) for every bucket (all launched, then all awaited); raises the first
         error after every exchange has ended, so no collective is left in flight, with every bucket restored."""
-        futures, error = [], None
+        return self.collect(self.launch(items))
+
+    def launch(self, items: Sequence[Tuple[Bucket, torch.Tensor, torch.Tensor]]) -> List[Tuple[Bucket, Any]]:
+        """Starts the exchange of (bucket, update, out) for every bucket, in order. A launch that fails
+        leaves its error in place of its future, and none after it is started (:meth:`collect` raises it)."""
+        futures: List[Tuple[Bucket, Any]] = []
         self.agree_all(b for b, _, _ in items)
         for b, u, o in items:
             try:
                 futures.append((b, self.start(b, u, o, f"bucket {b.index}")))
             except BaseException as e:  # noqa: BLE001  (a launch failed: wait for those launched, restore all)
-                error = e
+                futures.append((b, e))
                 break
-        results = []
+        return futures
+
+    def collect(self, futures: Sequence[Tuple[Bucket, Any]]) -> List[Tuple[Bucket, ExchangeResult]]:
+        """Waits for every exchange :meth:`launch` started; raises the first error once all have ended, with
+        every bucket restored."""
+        results, error = [], None
         for b, f in futures:
+            if isinstance(f, BaseException):
+                error = error or f
+                continue
             try:
                 results.append((b, f.wait()))
             except BaseException as e:  # noqa: BLE001  (wait for the rest before raising)
                 error = error or e
         if error is not None:
-            self.abandon([b for b, _, _ in items])
+            self.abandon([b for b, _ in futures])
             raise error
         return results
 
@@ -465,17 +502,11 @@ class Sharing:
         decoded mean change as their gradient (the gradients are put back afterwards); the same on every
         rank, so replicas stay identical. False when the step was skipped (parameters restored).
         ``share_grads``: this rank's gradients are not finite and its optimizer did not step; it shares them
-        instead of a change, so that the exchange stops every rank (NonFiniteStepError, naming the element)."""
-        items = []
-        groups = second_moment.groups_of(self.optimizer) if self.global_second_moment and not share_grads else None
-        for b in self.buckets:
-            if share_grads:
-                delta = b.gather_grads(b.flat)
-            else:
-                delta = b.change(b.flat)                  # before - after: this rank's update
-                if groups is not None:
-                    self._to_global_batch(b, delta, groups)
-            items.append((b, delta, delta))
+        instead of a change, so that the exchange stops every rank (NonFiniteStepError, naming the element).
+        With ``delay=1`` (:meth:`_share_updates_late`) the mean applied is the previous step's."""
+        if self.delay:
+            return self._share_updates_late(share_grads)
+        items = [(b, d, d) for b, d in zip(self.buckets, self._deltas(share_grads))]
         try:
             results = self.run(items)
         except BaseException:
@@ -492,6 +523,67 @@ class Sharing:
                 b.set_params(b.snapshot)
         self.link_step_ended()
         return ok
+
+    def _deltas(self, share_grads: bool) -> List[torch.Tensor]:
+        """Each bucket's update of this step in its ``flat`` buffer: the change since :meth:`begin_updates` (as
+        Adam on the global batch would have made it), or the gradients (``share_grads``)."""
+        groups = second_moment.groups_of(self.optimizer) if self.global_second_moment and not share_grads else None
+        out = []
+        for b in self.buckets:
+            if share_grads:
+                out.append(b.gather_grads(b.flat))
+                continue
+            delta = b.change(b.flat)                      # before - after: this rank's update
+            if groups is not None:
+                self._to_global_batch(b, delta, groups)
+            out.append(delta)
+        return out
+
+    def _land(self) -> None:
+        """delay=1: waits for the last step's exchanges and ends that step (residuals committed, statistics);
+        its decoded means stay in each bucket's ``mean`` until applied. Raises what stopped them (every
+        bucket restored)."""
+        if self._inflight is None:
+            return
+        inflight, self._inflight = self._inflight, None
+        self._arrived = self.finish(self.collect(inflight))
+
+    def _share_updates_late(self, share_grads: bool) -> bool:
+        """delay=1: this step's updates are launched (into each bucket's ``mean``, read and written by
+        nothing else until they land) and the parameters set to before this step - the last step's mean.
+        Returns False when the last step's exchange was skipped (nothing applied for it)."""
+        try:
+            self._land()
+        except BaseException:
+            self.restore_params()
+            raise
+        arrived, self._arrived = self._arrived, None
+        deltas = self._deltas(share_grads)
+        for b in self.buckets:
+            if arrived:
+                b.set_params_before_minus(b.mean)
+            else:
+                b.set_params(b.snapshot)
+            if b.mean is None:
+                b.mean = torch.empty_like(b.residual)
+        launched = self.launch([(b, d, b.mean) for b, d in zip(self.buckets, deltas)])
+        if any(isinstance(f, BaseException) for _, f in launched):
+            self.collect(launched)                # a launch failed: waits for the others and raises
+        self._inflight = launched
+        return arrived is not False
+
+    @torch.no_grad()
+    def flush(self) -> bool:
+        """delay=1: applies now, on every rank, the update still travelling (the last step's mean), so that
+        the parameters hold every step taken: before an evaluation, a comparison between runs, or at the end
+        of training. Nothing to do (True) without delay or when nothing travels. A collective: every rank
+        calls it at the same point. False when that step was skipped."""
+        self._land()
+        arrived, self._arrived = self._arrived, None
+        if arrived:
+            for b in self.buckets:
+                b.set_params(b.gather_params(b.flat).sub_(b.mean))
+        return arrived is not False
 
     @torch.no_grad()
     def _to_global_batch(self, b: Bucket, delta: torch.Tensor, groups: Dict[int, Dict[str, Any]]) -> None:
@@ -572,12 +664,14 @@ class Sharing:
         for b in self.buckets:                  # each parameter's has-a-gradient flag rides along (buffer)
             b.gather_grads(b.flat)
             b.buffer[b.n:].copy_(b.grads_present())
-            works.append(dist.all_reduce(b.buffer.div_(world), group=self.process_group, async_op=True))
-        for w in works:
+            works.append(dist.all_reduce(b.buffer, group=self.process_group, async_op=True))
+        bad = []
+        for b, w in zip(self.buckets, works):   # the sum scaled to the mean in the pass that checks it
             w.wait()
+            bad.append(comm.scale_nonfinite(b.flat, 1.0 / world))
         for b in self.buckets:
             b.set_grads(b.flat, (b.buffer[b.n:] > 0).tolist())
-        if self.grads_nonfinite():
+        if bad and bool(torch.cat(bad).any()):
             if self.nonfinite == "raise":
                 raise NonFiniteStepError(self.step, [], [], "mean gradient")
             self.skip_step()
@@ -640,14 +734,26 @@ class Sharing:
 
     # ----------------------------------------------------------------------------------------- state
     def state_dict(self) -> Dict[str, Any]:
-        """Residuals, velocities and policy state per bucket, the step counter and statistics totals."""
+        """Residuals, velocities and policy state per bucket, the step counter and statistics totals (with
+        delay=1 after the update in flight has landed, and its mean, not applied yet)."""
+        late = self._late_means()               # first: landing commits residuals and counts the step
         return {"step": self.step, "stats": self.stats.state_dict(),
                 "compression": self.compression.config(),
                 "buckets": [{"n": b.n, "residual": b.residual.detach().cpu().clone(),
                              "velocity": None if b.velocity is None else b.velocity.detach().cpu().clone(),
                              "compression": b.compression.state_dict()} for b in self.buckets],
                 "link": None if self.link is None else self.link.state_dict(),
-                "states equal": self._consistent}
+                "states equal": self._consistent, "delay": self.delay, "late mean": late}
+
+    def _late_means(self) -> Optional[List[torch.Tensor]]:
+        """delay=1: the last step's decoded means, waited for (a collective) and not applied yet; None when
+        there are none."""
+        if not self.delay:
+            return None
+        self._land()
+        if not self._arrived:
+            return None
+        return [b.mean.detach().cpu().clone() for b in self.buckets]
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         saved = state["buckets"]
@@ -671,6 +777,17 @@ class Sharing:
             self.link.load_state_dict(state["link"])
         # Whether the ranks' optimizer states were equal when this was saved (all-reduce steps keep them so).
         self._consistent = state.get("states equal", False)
+        late = state.get("late mean")
+        if int(state.get("delay", 0)) != self.delay:
+            raise ValueError(f"load_state_dict: the checkpoint was written with delay={state.get('delay', 0)}, "
+                             f"this state has delay={self.delay}")
+        self._inflight, self._arrived = None, None
+        if late is not None:
+            for b, m in zip(self.buckets, late):
+                if b.mean is None:
+                    b.mean = torch.empty_like(b.residual)
+                b.mean.copy_(m)
+            self._arrived = True
 
 
 def _resolve_link(link: Any, default_ok: bool, mode: str) -> Optional[LinkAware]:
