@@ -12,15 +12,23 @@ for each step of a sharing core in "updates" mode, between
 It decides from what it measures, the time from one step's end to the next (compute, exchange and
 whatever the user's loop does), not from a model of the link: it times a few steps of each, agrees the
 medians with every rank (one all-reduce of two numbers, taking the slowest rank's), and keeps the
-faster, preferring the all-reduce unless compression is faster by more than ``margin``. A pause of the
+faster, preferring the all-reduce unless compression makes the step faster by more than ``margin`` (25%:
+compressing with error feedback can take more steps to reach the same accuracy early in training, by up to
+a quarter in gradshare's end-to-end benchmarks, so a step only a little faster does not pay). A pause of the
 user's loop (an evaluation, a checkpoint, a log flush) lands in one step now and then, and is not the
 exchange's time: no choice is judged on a single step, and the median taken is the lower one (of two
-steps, the faster), so one such step among the samples moves nothing. It then measures the other choice again from time to time, as rarely as keeps the
-cost of looking below ``overhead`` of the run, so that a link that changes is followed. That cost is
-measured, not assumed: the slower choice's extra time on the steps a measurement takes, and both switches
-(into the measurement, and back, whose first all-reduce step averages the optimizer states) over what
-the faster choice's step would have taken. A link 30x slower than the compressed step is looked at again
-every few thousand steps, one about as fast every 50. Every rank takes the same decision at
+steps, the faster), so one such step among the samples moves nothing.
+
+A link that changes is followed. On the all-reduce its cost shows in the step itself: every
+``check_every`` steps the ranks agree their recent all-reduce step time, and compression is measured
+again only once that has grown by ``margin`` both past the compressed step's and past its own when it was
+chosen (and never within ``min_interval`` steps of a decision or a restart: no flapping on noise), so a
+fast link that stays fast sees no compressed step after the first measurement. On compressed steps a faster link does not show,
+so the all-reduce is measured again from time to time, as rarely as keeps the cost of looking below
+``overhead`` of the run. That cost is measured, not assumed: the slower choice's extra time on the steps
+a measurement takes, and both switches (into the measurement, and back) over what the faster choice's
+step would have taken. A link 30x slower than the compressed step is looked at again every few thousand
+steps, one about as fast every 50. Every rank takes the same decision at
 the same step, so replicas stay identical.
 
 Switching to the all-reduce makes the ranks' optimizer states and parameters consistent first: what the
@@ -55,6 +63,7 @@ class LinkAware:
         overhead: the largest fraction of the run spent re-measuring the slower choice (2%: a fast link is
             where the all-reduce wins, and there gradshare's step should cost what DDP's does).
         min_interval, max_interval: bounds on the steps between two measurements of the slower choice.
+        check_every: on the all-reduce, the steps between two agreements of its recent step time.
         clock: seconds, monotonic (time.perf_counter).
 
     ``steady_from`` (set by the sharing core from the compression's warm-up, e.g. TopK's 100 steps at a
@@ -62,12 +71,13 @@ class LinkAware:
     wins on such a measurement, compression is measured again as soon as the warm-up is over.
     """
 
-    def __init__(self, margin: float = 0.05, probe_steps: int = 4, overhead: float = 0.02,
+    def __init__(self, margin: float = 0.25, probe_steps: int = 4, overhead: float = 0.02,
                  min_interval: int = 50, max_interval: int = 5000, calibration_steps: int = 3,
-                 clear_loss: float = 2.0, clock: Callable[[], float] = time.perf_counter):
+                 clear_loss: float = 2.0, check_every: int = 10, clock: Callable[[], float] = time.perf_counter):
         if not (0 <= float(margin) < 1):
             raise ValueError(f"margin: expected a value in [0, 1), got {margin}")
-        for name, v, low in (("probe_steps", probe_steps, 1), ("calibration_steps", calibration_steps, 2)):
+        for name, v, low in (("probe_steps", probe_steps, 1), ("calibration_steps", calibration_steps, 2),
+                             ("check_every", check_every, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"{name}: expected an int >= {low}, got {v!r}")
         if not (0 < float(overhead) < 1):
@@ -77,7 +87,7 @@ class LinkAware:
         if not (1 <= int(min_interval) <= int(max_interval)):
             raise ValueError(f"min_interval, max_interval: expected 1 <= min <= max, got {min_interval}, {max_interval}")
         self.margin, self.probe_steps, self.overhead = float(margin), probe_steps, float(overhead)
-        self.calibration_steps, self.clear_loss = calibration_steps, float(clear_loss)
+        self.calibration_steps, self.clear_loss, self.check_every = calibration_steps, float(clear_loss), check_every
         self.min_interval, self.max_interval = int(min_interval), int(max_interval)
         self.clock = clock
         self.steps = 0                      # steps ended (every rank counts the same ones)
@@ -93,6 +103,7 @@ class LinkAware:
         # This rank's last first step of each choice after the other (untimed: a switch's own cost; 0: none yet)
         self._first: Dict[str, float] = {ALLREDUCE: 0.0, COMPRESSED: 0.0}
         self._decided_at = 0                # the step of the last decision
+        self._quiet_until = 0               # no measurement triggered by the all-reduce's time before this step
         self._last_end: Optional[float] = None
         self._last_mode: Optional[str] = None
 
@@ -134,11 +145,26 @@ class LinkAware:
                 if agreed[mode] > self.clear_loss * agreed[other]:
                     self.plan.clear()               # a clear loser: no need to measure it further
                     self._decide(agreed)
-        elif self.next_probe is not None and self.steps >= self.next_probe:
+        elif self._probe_due(agree):
             other = COMPRESSED if self.choice == ALLREDUCE else ALLREDUCE
             self._samples[other].clear()            # its earlier times are stale: the link may have changed
             self.plan.extend([other] * (self.probe_steps + 1))
             self.probing = other
+
+    def _probe_due(self, agree: Callable[[List[float]], List[float]]) -> bool:
+        """Whether the slower choice is measured again now: its time has come, or (on the all-reduce) the
+        ranks' recent all-reduce steps have become slower by ``margin`` than both compression's and their own
+        when the all-reduce was chosen (the same answer on every rank: the times are agreed)."""
+        if self.next_probe is not None and self.steps >= self.next_probe:
+            return True
+        if (self.choice != ALLREDUCE or self.steps < self._quiet_until or self.steps % self.check_every
+                or not self._samples[ALLREDUCE]):
+            return False
+        t_comp, t_all = self.seconds[COMPRESSED], self.seconds[ALLREDUCE]
+        if t_comp is None or not math.isfinite(t_comp):
+            return False
+        bar = (1 + self.margin) * max(t_comp, t_all if t_all is not None and math.isfinite(t_all) else 0.0)
+        return self._agree(agree)[ALLREDUCE] > bar
 
     def _agree(self, agree: Callable[[List[float]], List[float]]) -> Dict[str, float]:
         t_all, t_comp, first_all, first_comp = agree([self._median(ALLREDUCE), self._median(COMPRESSED),
@@ -152,6 +178,7 @@ class LinkAware:
         self.decisions += 1
         self.choice, self.probing = choice, None
         self._decided_at = self.steps
+        self._quiet_until = self.steps + self.min_interval
         self._schedule(agreed)
 
     def _schedule(self, agreed: Dict[str, float]) -> None:
@@ -163,7 +190,9 @@ class LinkAware:
         ``overhead`` of the time."""
         t_all, t_comp = self.seconds[ALLREDUCE], self.seconds[COMPRESSED]
         win, lose = (t_comp, t_all) if self.choice == COMPRESSED else (t_all, t_comp)
-        if win is not None and lose is not None and math.isfinite(lose):
+        if self.choice == ALLREDUCE:
+            interval = self.max_interval      # a slower link shows in the all-reduce steps (_probe_due)
+        elif win is not None and lose is not None and math.isfinite(lose):
             other = ALLREDUCE if self.choice == COMPRESSED else COMPRESSED
             into, back = agreed["first"][other] or lose, agreed["first"][self.choice] or win
             timed = 2 if lose > self.clear_loss * win else self.probe_steps
@@ -192,7 +221,8 @@ class LinkAware:
         """What every rank must share (part of the configuration agreement)."""
         return {"margin": self.margin, "probe_steps": self.probe_steps, "overhead": self.overhead,
                 "min_interval": self.min_interval, "max_interval": self.max_interval,
-                "calibration_steps": self.calibration_steps, "clear_loss": self.clear_loss}
+                "calibration_steps": self.calibration_steps, "clear_loss": self.clear_loss,
+                "check_every": self.check_every}
 
     def state_dict(self) -> Dict[str, Any]:
         return {"steps": self.steps, "choice": self.choice, "plan": list(self.plan), "next_probe": self.next_probe,
@@ -217,6 +247,7 @@ class LinkAware:
         for samples in self._samples.values():
             samples.clear()
         self._first = {ALLREDUCE: 0.0, COMPRESSED: 0.0}
+        self._decided_at, self._quiet_until = self.steps, self.steps + self.min_interval
         self._last_end = self._last_mode = None
 
     def __repr__(self) -> str:
