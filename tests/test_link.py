@@ -156,13 +156,9 @@ def test_compression_measured_during_its_warm_up_is_measured_again_after_it():
 
 
 def test_a_changed_link_changes_the_choice():
-    clock = FakeClock({ALLREDUCE: 10.0, COMPRESSED: 20.0})
-    link = LinkAware(clock=clock)
-    clock.link = link
-    for _ in range(8):
-        link.step_ended(lambda v: v)
+    link, _ = _alone({ALLREDUCE: 10.0, COMPRESSED: 20.0}, 8)
     assert link.choice == ALLREDUCE
-    clock.costs[ALLREDUCE] = 100.0                      # the link slowed down
+    link.clock.costs[ALLREDUCE] = 100.0                 # the link slowed down
     while link.decisions < 2:
         link.step_ended(lambda v: v)
     assert link.choice == COMPRESSED
@@ -400,11 +396,8 @@ def test_ranks_with_and_without_link_awareness_stop_at_the_first_step():
 def test_a_noisy_all_reduce_does_not_set_off_measurements():
     # The all-reduce kept (compression 10% faster, short of the margin); its steps then vary by +-20%: no
     # compressed step follows. A link that slows by half does set one off, once min_interval has passed.
-    clock = FakeClock({ALLREDUCE: 10.0, COMPRESSED: 9.0})
-    link = LinkAware(clock=clock)
-    clock.link = link
-    for _ in range(8):
-        link.step_ended(lambda v: v)
+    link, _ = _alone({ALLREDUCE: 10.0, COMPRESSED: 9.0}, 8)
+    clock = link.clock
     assert link.choice == ALLREDUCE
     modes = []
     for i in range(300):
