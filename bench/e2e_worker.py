@@ -48,6 +48,7 @@ CONTENDERS: Dict[str, str] = {
                             "compression at every step, whatever the link",
     "gradshare_delayed": "gradshare_compressed one step late (delay=1): each step's mean update applied at the end of "
                          "the next, its exchange overlapping that step; evaluated as it trains",
+    "ddp_python_hook": "DDP + torch's own allreduce_hook (a Python comm hook doing DDP's float32 all-reduce)",
     "ddp_fp16": "DDP + fp16_compress_hook",
     "ddp_powersgd": "DDP + powerSGD_hook (rank 2, start_powerSGD_iter = 10% of steps)",
     "torch_averaging": "local SGD + PostLocalSGDOptimizer(PeriodicModelAverager(period))",
@@ -279,7 +280,7 @@ def setup_contender(contender: str, model: nn.Module, args, task: Task, timer: T
         th = Adaptive(initial=args.dgc_initial_tau, decay=args.dgc_decay, warmup_steps=args.dgc_warmup_steps)
         return th, (ResidualClipping() if args.dgc_clipping else None)
 
-    if name in ("ddp_allreduce", "ddp_fp16", "ddp_powersgd", "gradshare_auto", "gradshare_compressed",
+    if name in ("ddp_allreduce", "ddp_python_hook", "ddp_fp16", "ddp_powersgd", "gradshare_auto", "gradshare_compressed",
                 "gradshare_delayed", "gradshare_hook", "gradshare_hook_dgc"):
         if name == "ddp_powersgd":
             # One bucket: on gloo, powerSGD_hook issues its Q allreduce from the P allreduce's callback, which
@@ -290,10 +291,11 @@ def setup_contender(contender: str, model: nn.Module, args, task: Task, timer: T
             info["bucket_cap_mb"] = cap
         else:
             ddp = DDP(model)
-        if name == "ddp_fp16":
+        if name in ("ddp_fp16", "ddp_python_hook"):
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-            ddp.register_comm_hook(None, timer.wrap(default_hooks.fp16_compress_hook))
+            hook = default_hooks.fp16_compress_hook if name == "ddp_fp16" else default_hooks.allreduce_hook
+            ddp.register_comm_hook(None, timer.wrap(hook))
         elif name == "ddp_powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
