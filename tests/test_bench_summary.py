@@ -121,3 +121,14 @@ def test_report_renders_plots_without_rerunning(tmp_path):
     assert e2e.main(["--report", str(src), "--out", str(tmp_path / "out")]) == 0
     assert sorted(os.listdir(tmp_path / "out")) == ["accuracy_vs_time.png", "bytes_per_step.png", "results.md"]
     assert (src / "results.json").read_text() == before and sorted(os.listdir(src)) == ["results.json"]
+
+
+def test_a_report_judges_recorded_runs_again_at_another_target():
+    rows = [loss_row("ddp_allreduce", 0, 9.0, 2.2, [(0, 5.5), (4.5, 2.4), (9.0, 2.2)]),
+            loss_row("gs", 0, 3.0, 2.31, [(0, 5.5), (1.5, 2.6), (3.0, 2.25), (4.5, 2.31)])]
+    assert e2e.rejudge(rows, 2.5) == 2.5
+    s = by_contender(e2e.summarize(rows))
+    assert s["ddp_allreduce"]["time_to_target"] == 4.5 and s["gs"]["time_to_target"] == 3.0
+    assert s["gs"]["steps_to_target"] == 40 and s["gs"]["speedup"] == pytest.approx(1.5)
+    e2e.rejudge(rows, 2.0)                                        # reached by nobody
+    assert all(r["time_to_target"] is None for r in e2e.summarize(rows))
