@@ -6,11 +6,16 @@ For each n (float32) and density, times through the public gradshare.ops API:
     bitmap     fused threshold encode, bitmap format
     count      count-only pass
     decode     one sparse message added into a dense buffer
+    topk       TopK's encode (the default for SGD): per 65536-element chunk the density fraction of largest
+               |residual + update|, 8-bit values, what is kept written into a spare buffer (kept=)
+    ternary    Ternary's encode (the default for Adam): -s, 0 or +s per element, kept= a spare buffer
+               (independent of density: once per n)
     average4   mean of 4 buffers into a preallocated output (independent of density: once per n)
 
 Each op is compared, in the same run and interleaved repeat by repeat, with
   * naive: the same result from several plain torch passes (add, abs, compare, nonzero, index, sub, ...),
-    as gradient-compression libraries written in plain torch do it;
+    as gradient-compression libraries written in plain torch do it (topk: torch.topk per chunk, values
+    sent unrounded; ternary: per-chunk threshold, mask and scale in torch);
   * membound: torch.add(a, b, out=c) over m float32 elements with 12*m = the op's minimum bytes moved
     (encode: read update + residual, write residual = 12n, so m = n; average4: 4 reads + 1 write = 20n, so
     m = 5n/3; count: 8n; decode: message + read-modify-write of the touched elements = 12*count).
@@ -94,6 +99,23 @@ def naive_decode(dst, msg):
     info = msgfmt.parse_header(msg)
     e = msg[msgfmt.HEADER_WORDS:msgfmt.HEADER_WORDS + info.count].long()
     dst[e.abs() - 1] += torch.sign(e).float() * info.tau
+
+
+def naive_topk(update, residual, k, chunk, kept):
+    u = torch.add(residual, update, out=kept).view(-1, chunk)
+    idx = u.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+    vals = u.gather(1, idx)
+    u.scatter_(1, idx, 0.0)
+    return idx, vals
+
+
+def naive_ternary(update, residual, fraction, chunk, kept):
+    u = torch.add(residual, update, out=kept).view(-1, chunk)
+    a = u.abs()
+    sent = a >= fraction * a.mean(dim=1, keepdim=True)
+    scale = (a * sent).sum(dim=1, keepdim=True) / sent.sum(dim=1, keepdim=True).clamp(min=1)
+    u.sub_(torch.sign(u) * scale * sent)
+    return sent, scale
 
 
 def naive_average(bufs, out):
@@ -192,6 +214,23 @@ def bench_n(n: int, densities, device, repeats: int, warmup: int) -> list:
             t = measure(timer, variants, repeats, warmup)
             rows.append(record(op, n, density, count, nbytes, m, t))
             del variants
+    # the chunked codecs, on gradient-like values (a normal distribution), what is kept into a spare buffer
+    chunk = 65536
+    if n % chunk == 0:
+        g = torch.Generator().manual_seed(n)
+        update = (torch.randn(n, generator=g) * TAU).to(device)
+        residual = (torch.randn(n, generator=g) * TAU).to(device)
+        kept, kept_naive = torch.empty_like(residual), torch.empty_like(residual)
+        chunked = {f"topk@{d:g}": (lambda k=max(1, round(d * chunk)): ops.encode_topk(
+            update, residual, k, chunk=chunk, values="int8", kept=kept),
+            lambda k=max(1, round(d * chunk)): naive_topk(update, residual, k, chunk, kept_naive), d)
+            for d in densities}
+        chunked["ternary"] = (lambda: ops.encode_ternary(update, residual, 0.5, chunk=chunk, kept=kept),
+                              lambda: naive_ternary(update, residual, 0.5, chunk, kept_naive), None)
+        for name, (fused, naive, d) in chunked.items():
+            m = n                      # read update + residual, write kept: 12n bytes
+            variants = {"fused": (nothing, fused), "naive": (nothing, naive), "membound": membound_variant(m, device)}
+            rows.append(record(name.split("@")[0], n, d, None, 12 * n, m, measure(timer, variants, repeats, warmup)))
     # averaging does not depend on the density
     bufs = [torch.rand(n, device=device) for _ in range(4)]
     out = torch.empty(n, device=device)

@@ -5,11 +5,14 @@
 // the number of threads.
 //
 // Two phases. Phase 1 (parallel over chunks) computes u = residual + update into a per-thread scratch
-// chunk, checks it is finite and writes the chunk's part of the message. Phase 2 runs only when every
-// chunk was finite: it recomputes u and writes the kept residual (u, minus what was sent) into `kept`: the
-// residual itself, or a buffer that does not overlap it (the residual is then only read). A non-finite u
-// anywhere writes neither and turns the message into a marker of the same length.
+// chunk, checks it is finite and writes the chunk's part of the message. When `kept` is a separate buffer
+// (the residual is only read), phase 1 also writes the chunk's kept residual (u, minus what was sent) from
+// the scratch chunk while it is in cache; a non-finite chunk then leaves `kept` partly written, which the
+// caller discards with the step. In place (kept == residual) the residual may only change once every chunk
+// is known to be finite: phase 2 then recomputes u and writes it. A non-finite u anywhere leaves the
+// residual unchanged and turns the message into a marker of the same length.
 #include <algorithm>
+#include <functional>
 #include <vector>
 #include "cpu/parallel.h"
 #include "gradshare/kernels.h"
@@ -54,23 +57,83 @@ int64_t first_bad(const std::vector<int64_t>& bad, int64_t chunk) {
 }
 
 // The kc largest keys of u[0, len) (element.h's topk_key), as ascending local indices into `sel`.
-// A min-heap of size kc: most elements fail one comparison against its root, so this is close to one pass.
-void select_topk(const float* u, int64_t len, int64_t kc, std::vector<uint64_t>& heap, int32_t* sel) {
-  heap.clear();
-  auto greater = [](uint64_t a, uint64_t b) { return a > b; };  // std heap with greater: a min-heap
-  for (int64_t j = 0; j < len; ++j) {
-    const uint64_t key = topk_key(u[j], j);
-    if (static_cast<int64_t>(heap.size()) < kc) {
-      heap.push_back(key);
-      std::push_heap(heap.begin(), heap.end(), greater);
-    } else if (key > heap.front()) {
-      std::pop_heap(heap.begin(), heap.end(), greater);
-      heap.back() = key;
-      std::push_heap(heap.begin(), heap.end(), greater);
+// Radix selection on the magnitude's bits, which order the keys. A histogram of the top 11 bits finds the
+// bin B holding the kc-th largest key; one pass then splits the chunk into the elements above B (all
+// selected) and those in B (the candidates); a histogram of the next 11 bits among the candidates narrows
+// them, and nth_element among what is left gives the kc-th largest key T exactly (keys are distinct: they
+// end in the index). The candidates with a key >= T, merged with the elements above B, are the selection.
+// A heap of kc keys paid a logarithmic update for each element that beat its root, thousands per chunk.
+constexpr int kRadixBins = 2048;
+
+inline uint32_t magnitude(float x) { return static_cast<uint32_t>(float_to_bits(x)) & 0x7fffffffu; }
+
+struct TopkScratch {
+  std::vector<int32_t> cand, picked, merged;
+  std::vector<uint64_t> keys;
+};
+
+// The bin holding the kc-th largest of the counted elements, given `above` of them in higher bins already;
+// `above` becomes the count in the bins above the returned one.
+inline uint32_t bin_of_kth(const uint32_t* hist, int64_t kc, int64_t& above) {
+  uint32_t b = kRadixBins - 1;
+  while (above + hist[b] < kc) above += hist[b--];
+  return b;
+}
+
+void select_topk(const float* u, int64_t len, int64_t kc, TopkScratch& s, int32_t* sel) {
+  if (kc >= len) {
+    for (int64_t j = 0; j < len; ++j) sel[j] = static_cast<int32_t>(j);
+    return;
+  }
+  // Four interleaved histograms: neighbours often share a bin, and one counter would chain their increments.
+  uint32_t part[4][kRadixBins] = {};
+  int64_t j4 = 0;
+  for (; j4 + 4 <= len; j4 += 4)
+    for (int q = 0; q < 4; ++q) ++part[q][magnitude(u[j4 + q]) >> 20];
+  for (; j4 < len; ++j4) ++part[0][magnitude(u[j4]) >> 20];
+  uint32_t hist[kRadixBins];
+  for (int b = 0; b < kRadixBins; ++b) hist[b] = part[0][b] + part[1][b] + part[2][b] + part[3][b];
+  int64_t above = 0;
+  const uint32_t b1 = bin_of_kth(hist, kc, above);
+  // Split without branches: every index is written, and the count moves only where it belongs. Runs of 16
+  // with nothing in bin B or above (most of them at small densities) are passed over after one vector test.
+  s.cand.resize(static_cast<size_t>(len));
+  int32_t* cand = s.cand.data();
+  int64_t na = 0, nc = 0;
+  const int32_t floor_b1 = static_cast<int32_t>(b1 << 20);  // bin >= B  <=>  magnitude >= floor_b1
+  for (int64_t r = 0; r < len; r += 16) {
+    const int64_t m = std::min<int64_t>(16, len - r);
+    int32_t hit = 0;
+    if (m == 16) {
+      for (int q = 0; q < 16; ++q) hit |= static_cast<int32_t>(static_cast<int32_t>(magnitude(u[r + q])) >= floor_b1);
+    } else {
+      hit = 1;
+    }
+    if (!hit) continue;
+    for (int64_t j = r; j < r + m; ++j) {
+      const uint32_t bin = magnitude(u[j]) >> 20;
+      sel[na] = static_cast<int32_t>(j);  // sel holds kc + 1 entries and na < kc
+      na += bin > b1;
+      cand[nc] = static_cast<int32_t>(j);
+      nc += bin == b1;
     }
   }
-  for (int64_t i = 0; i < kc; ++i) sel[i] = static_cast<int32_t>(0xffff - (heap[i] & 0xffffu));
-  std::sort(sel, sel + kc);
+  std::fill(hist, hist + kRadixBins, 0u);
+  for (int64_t i = 0; i < nc; ++i) ++hist[(magnitude(u[cand[i]]) >> 9) & (kRadixBins - 1)];
+  int64_t above2 = above;
+  const uint32_t b2 = bin_of_kth(hist, kc, above2);
+  s.keys.clear();
+  for (int64_t i = 0; i < nc; ++i)
+    if (((magnitude(u[cand[i]]) >> 9) & (kRadixBins - 1)) == b2) s.keys.push_back(topk_key(u[cand[i]], cand[i]));
+  const int64_t need = kc - above2;  // >= 1: the largest `need` of `keys` complete the selection
+  std::nth_element(s.keys.begin(), s.keys.begin() + (need - 1), s.keys.end(), std::greater<uint64_t>());
+  const uint64_t t = s.keys[static_cast<size_t>(need - 1)];
+  s.picked.clear();
+  for (int64_t i = 0; i < nc; ++i)
+    if (topk_key(u[cand[i]], cand[i]) >= t) s.picked.push_back(cand[i]);
+  s.merged.resize(static_cast<size_t>(kc));
+  std::merge(sel, sel + na, s.picked.begin(), s.picked.end(), s.merged.begin());
+  std::copy(s.merged.begin(), s.merged.end(), sel);
 }
 
 }  // namespace
@@ -97,6 +160,19 @@ void pack_topk(int32_t format, const float* u, const int32_t* sel, int64_t kc, i
   }
 }
 
+// kept[0, kc entries of chunk words w) -= the value each entry sent (exact in float32 for bf16 values).
+void subtract_topk(int32_t format, const int32_t* w, int64_t kc, float* kept) {
+  if (format == kTopK) {
+    for (int64_t i = 0; i < kc; ++i) {
+      const uint32_t e = static_cast<uint32_t>(w[i]);
+      kept[e & 0xffffu] -= bf16_bits_to_float(static_cast<uint16_t>(e >> 16));
+    }
+  } else {
+    const float s = bits_to_float(w[0]);
+    for (int64_t i = 0; i < kc; ++i) kept[topk8_index(w, i)] -= topk8_entry(topk8_value(w, kc, i), s);
+  }
+}
+
 }  // namespace
 
 // Top-k (format kTopK: bfloat16 values) or 8-bit top-k (kTopK8): the same selection, two layouts.
@@ -104,6 +180,7 @@ ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, const float* re
                               int64_t chunk, int64_t k, int32_t format, int32_t* out, int64_t capacity) {
   const int64_t words = check_chunked_args(format, dtype, n, chunk, k, 0.0f, capacity);
   const int64_t nch = (n + chunk - 1) / chunk, stride = chunk_stride(format, chunk, k);
+  const bool direct = kept != residual;  // kept written in phase 1 (see the top of this file)
   std::vector<int64_t> bad(static_cast<size_t>(nch), -1);
   int32_t* payload = out + kHeaderWords;
   // Phase 1: select and write the message.
@@ -113,7 +190,7 @@ ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, const float* re
   {
     std::vector<float> u(static_cast<size_t>(std::min(chunk, n)));
     std::vector<int32_t> sel(static_cast<size_t>(std::min(k, n)) + 1);
-    std::vector<uint64_t> heap;
+    TopkScratch scratch;
 #ifdef GS_HAVE_OPENMP
 #pragma omp for schedule(static)
 #endif
@@ -122,8 +199,12 @@ ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, const float* re
       int32_t* w = payload + c * stride;  // every earlier chunk is full
       bad[c] = load(update, dtype, residual, lo, len, u.data());
       if (bad[c] >= 0) continue;
-      if (kc > 0) select_topk(u.data(), len, kc, heap, sel.data());
+      if (kc > 0) select_topk(u.data(), len, kc, scratch, sel.data());
       pack_topk(format, u.data(), sel.data(), kc, w);
+      if (direct) {
+        std::copy(u.data(), u.data() + len, kept + lo);
+        subtract_topk(format, w, kc, kept + lo);
+      }
     }
   }
   const int64_t b = first_bad(bad, chunk);
@@ -131,9 +212,9 @@ ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, const float* re
     write_marker(out, words, n, b);
     return {words, 0, b};
   }
-  // Phase 2: kept = u, minus the value sent for each entry (exact in float32 for bf16 values).
-  GS_PARALLEL_FOR(n >= kParallelMin)
-  for (int64_t c = 0; c < nch; ++c) {
+  // Phase 2 (in place): kept = u, minus the value sent for each entry.
+  GS_PARALLEL_FOR(n >= kParallelMin && !direct)
+  for (int64_t c = 0; c < (direct ? 0 : nch); ++c) {
     const int64_t lo = c * chunk, len = chunk_len(n, chunk, c), kc = topk_k(k, len, chunk);
     switch (dtype) {
       case kFloat16:
@@ -147,16 +228,7 @@ ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, const float* re
         for (int64_t j = 0; j < len; ++j) kept[lo + j] = residual[lo + j] + g[lo + j];
       }
     }
-    const int32_t* w = payload + c * stride;
-    if (format == kTopK) {
-      for (int64_t i = 0; i < kc; ++i) {
-        const uint32_t e = static_cast<uint32_t>(w[i]);
-        kept[lo + (e & 0xffffu)] -= bf16_bits_to_float(static_cast<uint16_t>(e >> 16));
-      }
-    } else {
-      const float s = bits_to_float(w[0]);
-      for (int64_t i = 0; i < kc; ++i) kept[lo + topk8_index(w, i)] -= topk8_entry(topk8_value(w, kc, i), s);
-    }
+    subtract_topk(format, payload + c * stride, kc, kept + lo);
   }
   write_header(out, format, n, chunk, 0.0f);
   out[4] = static_cast<int32_t>(k);
@@ -233,6 +305,7 @@ ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, const float*
                                  int64_t chunk, float fraction, int32_t* out, int64_t capacity) {
   const int64_t words = check_chunked_args(kTernary, dtype, n, chunk, 0, fraction, capacity);
   const int64_t nch = (n + chunk - 1) / chunk, per_full = ternary_chunk_words(chunk);
+  const bool direct = kept != residual;  // kept written in phase 1 (see the top of this file)
   std::vector<int64_t> bad(static_cast<size_t>(nch), -1), entries(static_cast<size_t>(nch), 0);
   int32_t* payload = out + kHeaderWords;
   // Phase 1: per chunk the scale and the codes.
@@ -264,6 +337,14 @@ ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, const float*
       }
       w[0] = float_to_bits(cnt ? lane_abs_sum<true>(u.data(), len, sent.data()) / static_cast<float>(cnt) : 0.0f);
       entries[c] = cnt;
+      if (direct) {  // x - 0.0f is x, so the unsent elements need no branch; the same arithmetic as phase 2
+        const float scale = bits_to_float(w[0]);
+        float* out_kept = kept + lo;
+        for (int64_t j = 0; j < len; ++j) {
+          const float x = u[j];
+          out_kept[j] = x - (sent[j] ? (x < 0.0f ? -scale : scale) : 0.0f);
+        }
+      }
     }
   }
   const int64_t b = first_bad(bad, chunk);
@@ -271,9 +352,9 @@ ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, const float*
     write_marker(out, words, n, b);
     return {words, 0, b};
   }
-  // Phase 2: kept = u, minus +-scale where sent.
-  GS_PARALLEL_FOR(n >= kParallelMin)
-  for (int64_t c = 0; c < nch; ++c) {
+  // Phase 2 (in place): kept = u, minus +-scale where sent.
+  GS_PARALLEL_FOR(n >= kParallelMin && !direct)
+  for (int64_t c = 0; c < (direct ? 0 : nch); ++c) {
     const int64_t lo = c * chunk, len = chunk_len(n, chunk, c);
     const int32_t* w = payload + c * per_full;
     switch (dtype) {

@@ -39,7 +39,8 @@ inline int64_t encode_capacity(int64_t n) { return kHeaderWords + bitmap_words(n
 CountResult count_cpu(const void* update, int32_t dtype, const float* residual, int64_t n, float tau);
 // Every encoder reads residual + update and writes what it does not send into `kept`: the residual itself
 // (in place) or a buffer of n floats that overlaps neither it nor the update, so that the residual is only
-// read. A non-finite residual + update writes neither.
+// read. A non-finite residual + update leaves the residual unchanged (a separate `kept` then holds nothing
+// of use: the caller drops it with the step).
 // Two passes: count (and finiteness) per chunk, then write kept and payload at scanned offsets, so
 // the indices come out ascending whatever the thread count. clip <= 0 disables residual clipping.
 EncodeResult encode_cpu(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n, float tau,
