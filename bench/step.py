@@ -37,8 +37,13 @@ DESCRIPTIONS = {
 
 
 def _rank(rank: int, world: int, port: int, args, queue) -> None:
+    from gradshare import process_group
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=120))
+    # gradshare's join and leave: a raw init_process_group with DDP pins the group, and its gloo threads then
+    # end in std::terminate at interpreter shutdown (gradshare.process_group)
+    process_group.init_process_group("gloo", rank=rank, world_size=world,
+                                     timeout=__import__("datetime").timedelta(seconds=120))
     torch.set_num_threads(1)
     import gradshare as gs
     import workloads
@@ -82,7 +87,8 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
         medians[name] = statistics.median(times[args.warmup:]) * 1e3
     if rank == 0:
         queue.put(medians)
-    dist.destroy_process_group()
+    del fwd, opt
+    process_group.destroy_process_group()
 
 
 def main(argv=None) -> int:
