@@ -213,22 +213,24 @@ ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, const float* re
     return {words, 0, b};
   }
   // Phase 2 (in place): kept = u, minus the value sent for each entry.
-  GS_PARALLEL_FOR(n >= kParallelMin && !direct)
-  for (int64_t c = 0; c < (direct ? 0 : nch); ++c) {
-    const int64_t lo = c * chunk, len = chunk_len(n, chunk, c), kc = topk_k(k, len, chunk);
-    switch (dtype) {
-      case kFloat16:
-        for (int64_t j = 0; j < len; ++j) kept[lo + j] = residual[lo + j] + load_as_float(update, kFloat16, lo + j);
-        break;
-      case kBFloat16:
-        for (int64_t j = 0; j < len; ++j) kept[lo + j] = residual[lo + j] + load_as_float(update, kBFloat16, lo + j);
-        break;
-      default: {
-        const float* g = static_cast<const float*>(update);
-        for (int64_t j = 0; j < len; ++j) kept[lo + j] = residual[lo + j] + g[lo + j];
+  if (!direct) {
+    GS_PARALLEL_FOR(n >= kParallelMin)
+    for (int64_t c = 0; c < nch; ++c) {
+      const int64_t lo = c * chunk, len = chunk_len(n, chunk, c), kc = topk_k(k, len, chunk);
+      switch (dtype) {
+        case kFloat16:
+          for (int64_t j = 0; j < len; ++j) kept[lo + j] = residual[lo + j] + load_as_float(update, kFloat16, lo + j);
+          break;
+        case kBFloat16:
+          for (int64_t j = 0; j < len; ++j) kept[lo + j] = residual[lo + j] + load_as_float(update, kBFloat16, lo + j);
+          break;
+        default: {
+          const float* g = static_cast<const float*>(update);
+          for (int64_t j = 0; j < len; ++j) kept[lo + j] = residual[lo + j] + g[lo + j];
+        }
       }
+      subtract_topk(format, payload + c * stride, kc, kept + lo);
     }
-    subtract_topk(format, payload + c * stride, kc, kept + lo);
   }
   write_header(out, format, n, chunk, 0.0f);
   out[4] = static_cast<int32_t>(k);
@@ -274,6 +276,11 @@ inline uint32_t code_word(const uint8_t* sent, const float* u, int64_t m) {
   return present | (negative << 16);
 }
 
+// What a ternary element keeps: u minus +-scale where it was sent (x - 0.0f is x, so no branch on unsent).
+inline float ternary_kept(float u, bool sent, bool negative, float scale) {
+  return u - (sent ? (negative ? -scale : scale) : 0.0f);
+}
+
 template <int DT>
 void ternary_residual(const void* update, const float* residual, float* kept, int64_t lo, int64_t len,
                       const int32_t* w) {
@@ -284,16 +291,14 @@ void ternary_residual(const void* update, const float* residual, float* kept, in
     const uint32_t present = code & 0xffffu, negative = code >> 16;
     const int64_t base = lo + q * 16, m = std::min<int64_t>(16, len - q * 16);
     if (m == 16) {
-      for (int b = 0; b < 16; ++b) {  // x - 0.0f is x, so the unsent elements need no branch
+      for (int b = 0; b < 16; ++b) {
         const float x = residual[base + b] + load_as_float(update, DT, base + b);
-        const float sent = (present & kBit[b]) ? ((negative & kBit[b]) ? -scale : scale) : 0.0f;
-        kept[base + b] = x - sent;
+        kept[base + b] = ternary_kept(x, present & kBit[b], negative & kBit[b], scale);
       }
     } else {
       for (int64_t b = 0; b < m; ++b) {
         const float x = residual[base + b] + load_as_float(update, DT, base + b);
-        const float sent = (present & kBit[b]) ? ((negative & kBit[b]) ? -scale : scale) : 0.0f;
-        kept[base + b] = x - sent;
+        kept[base + b] = ternary_kept(x, present & kBit[b], negative & kBit[b], scale);
       }
     }
   }
@@ -337,13 +342,9 @@ ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, const float*
       }
       w[0] = float_to_bits(cnt ? lane_abs_sum<true>(u.data(), len, sent.data()) / static_cast<float>(cnt) : 0.0f);
       entries[c] = cnt;
-      if (direct) {  // x - 0.0f is x, so the unsent elements need no branch; the same arithmetic as phase 2
+      if (direct) {
         const float scale = bits_to_float(w[0]);
-        float* out_kept = kept + lo;
-        for (int64_t j = 0; j < len; ++j) {
-          const float x = u[j];
-          out_kept[j] = x - (sent[j] ? (x < 0.0f ? -scale : scale) : 0.0f);
-        }
+        for (int64_t j = 0; j < len; ++j) kept[lo + j] = ternary_kept(u[j], sent[j], u[j] < 0.0f, scale);
       }
     }
   }
@@ -353,14 +354,16 @@ ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, const float*
     return {words, 0, b};
   }
   // Phase 2 (in place): kept = u, minus +-scale where sent.
-  GS_PARALLEL_FOR(n >= kParallelMin && !direct)
-  for (int64_t c = 0; c < (direct ? 0 : nch); ++c) {
-    const int64_t lo = c * chunk, len = chunk_len(n, chunk, c);
-    const int32_t* w = payload + c * per_full;
-    switch (dtype) {
-      case kFloat16: ternary_residual<kFloat16>(update, residual, kept, lo, len, w); break;
-      case kBFloat16: ternary_residual<kBFloat16>(update, residual, kept, lo, len, w); break;
-      default: ternary_residual<kFloat32>(update, residual, kept, lo, len, w);
+  if (!direct) {
+    GS_PARALLEL_FOR(n >= kParallelMin)
+    for (int64_t c = 0; c < nch; ++c) {
+      const int64_t lo = c * chunk, len = chunk_len(n, chunk, c);
+      const int32_t* w = payload + c * per_full;
+      switch (dtype) {
+        case kFloat16: ternary_residual<kFloat16>(update, residual, kept, lo, len, w); break;
+        case kBFloat16: ternary_residual<kBFloat16>(update, residual, kept, lo, len, w); break;
+        default: ternary_residual<kFloat32>(update, residual, kept, lo, len, w);
+      }
     }
   }
   int64_t total = 0;
