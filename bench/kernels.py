@@ -3,13 +3,22 @@
 For each n (float32) and density, times through the public gradshare.ops API:
 
     encode     fused threshold encode (format "auto": sparse at these densities; residual updated in place)
+    encode_kept  the same with what is kept written to a spare buffer (kept=, the residual only read: what the
+               sharing core does; one pass over the data where in place takes two)
     bitmap     fused threshold encode, bitmap format
     count      count-only pass
+    momentum   the threshold encode with Deep Gradient Compression's momentum correction fused in (velocity=):
+               u = residual + (0.9 * velocity + update), the new velocity (0 where sent) and the kept residual
+               into spare buffers; "naive" is the same result in three steps (velocity update in torch, the
+               encode, the velocity zeroed at the message's indices), as gradshare did it before
     decode     one sparse message added into a dense buffer
     topk       TopK's encode (the default for SGD): per 65536-element chunk the density fraction of largest
                |residual + update|, 8-bit values, what is kept written into a spare buffer (kept=)
     ternary    Ternary's encode (the default for Adam): -s, 0 or +s per element, kept= a spare buffer
                (independent of density: once per n)
+    topk_momentum, ternary_momentum  the same with the momentum correction fused in (velocity=; TopK at its
+               default density 2%); "naive" is gradshare's earlier three steps: the velocity update in torch,
+               the encode, and the velocity zeroed where the decoded message is not 0
     average4   mean of 4 buffers into a preallocated output (independent of density: once per n)
 
 Each op is compared, in the same run and interleaved repeat by repeat, with
@@ -18,7 +27,8 @@ Each op is compared, in the same run and interleaved repeat by repeat, with
     sent unrounded; ternary: per-chunk threshold, mask and scale in torch);
   * membound: torch.add(a, b, out=c) over m float32 elements with 12*m = the op's minimum bytes moved
     (encode: read update + residual, write residual = 12n, so m = n; average4: 4 reads + 1 write = 20n, so
-    m = 5n/3; count: 8n; decode: message + read-modify-write of the touched elements = 12*count).
+    m = 5n/3; momentum: read update, velocity, residual, write velocity and kept = 20n; count: 8n; decode:
+    message + read-modify-write of the touched elements = 12*count).
 
 Reported: median time of the repeats after warm-up, GB/s of the fused op (minimum bytes / time), the speedup
 over naive (naive / fused) and the ratio to the memory-bound reference (fused / membound). Torch and the
@@ -89,6 +99,22 @@ def naive_bitmap(update, residual, tau):
     bits = torch.nn.functional.pad((pos | neg).int(), (0, pad)) | (torch.nn.functional.pad(neg.int(), (0, pad)) << 16)
     shifts = torch.arange(16, device=residual.device, dtype=torch.int32)
     return (bits.view(-1, 16) << shifts).sum(dim=1, dtype=torch.int32)
+
+
+def unfused_momentum(update, velocity, residual, tau, kept, spare):
+    w = torch.mul(velocity, 0.9, out=spare).add_(update)
+    msg = ops.encode(w, residual, tau, kept=kept)
+    w.index_fill_(0, msg[msgfmt.HEADER_WORDS:].abs().long() - 1, 0.0)   # sparse at these densities
+    return msg
+
+
+def unfused_chunked_momentum(encode, update, velocity, spare, kept):
+    w = torch.mul(velocity, 0.9, out=spare).add_(update)
+    msg = encode(w, kept=kept)
+    sent = torch.zeros_like(w)
+    ops.decode(sent, msg)
+    w.masked_fill_(sent != 0, 0.0)
+    return msg
 
 
 def naive_count(update, residual, tau):
@@ -189,10 +215,17 @@ def bench_n(n: int, densities, device, repeats: int, warmup: int) -> list:
         count = ops.count(update, residual0, TAU)
         msg = ops.encode(update, residual0.clone(), TAU)  # "auto": sparse at these densities
         dst = torch.zeros(n, device=device)
+        # momentum: a zero velocity keeps the density; the work does not depend on the values
+        velocity = torch.zeros(n, device=device)
+        kept, new_v, spare = (torch.empty(n, device=device) for _ in range(3))
         checks = {  # the naive versions compute the same thing
             "count": naive_count(update, residual0, TAU) == count,
             "sparse": msgfmt.parse_header(msg).format == msgfmt.SPARSE,
             "encode": torch.equal(naive_encode(update, residual0.clone(), TAU), msg[5:]),
+            "momentum": torch.equal(ops.encode(update, residual0, TAU, kept=kept, velocity=velocity, momentum=0.9,
+                                               velocity_out=new_v),
+                                    unfused_momentum(update, velocity, residual0, TAU, kept, spare))
+            and torch.equal(new_v, spare),
         }
         if not all(checks.values()):
             raise AssertionError(f"naive and fused disagree at n={n}, density={density}: {checks}")
@@ -200,9 +233,15 @@ def bench_n(n: int, densities, device, repeats: int, warmup: int) -> list:
         specs = {
             "encode": ({"fused": (reset, lambda: ops.encode(update, residual, TAU)),
                         "naive": (reset_naive, lambda: naive_encode(update, r_naive, TAU))}, 12 * n),
+            "encode_kept": ({"fused": (nothing, lambda: ops.encode(update, residual0, TAU, kept=kept)),
+                             "naive": (reset_naive, lambda: naive_encode(update, r_naive, TAU))}, 12 * n),
             "bitmap": ({"fused": (reset, lambda: ops.encode(update, residual, TAU, format="bitmap")),
                         "naive": (reset_naive, lambda: naive_bitmap(update, r_naive, TAU))},
                        12 * n + 4 * msgfmt.bitmap_words(n)),
+            "momentum": ({"fused": (nothing, lambda: ops.encode(update, residual0, TAU, kept=kept, velocity=velocity,
+                                                                momentum=0.9, velocity_out=new_v)),
+                          "naive": (nothing, lambda: unfused_momentum(update, velocity, residual0, TAU, kept, spare))},
+                         20 * n),
             "count": ({"fused": (nothing, lambda: ops.count(update, residual0, TAU)),
                        "naive": (nothing, lambda: naive_count(update, residual0, TAU))}, 8 * n),
             "decode": ({"fused": (nothing, lambda: ops.decode(dst, msg)),
@@ -227,10 +266,20 @@ def bench_n(n: int, densities, device, repeats: int, warmup: int) -> list:
             for d in densities}
         chunked["ternary"] = (lambda: ops.encode_ternary(update, residual, 0.5, chunk=chunk, kept=kept),
                               lambda: naive_ternary(update, residual, 0.5, chunk, kept_naive), None)
+        velocity = (torch.randn(n, generator=g) * TAU).to(device)
+        new_v, spare = torch.empty_like(residual), torch.empty_like(residual)
+        topk2 = lambda u, **kw: ops.encode_topk(u, residual, round(0.02 * chunk), chunk=chunk, values="int8", **kw)
+        tern = lambda u, **kw: ops.encode_ternary(u, residual, 0.5, chunk=chunk, **kw)
+        for name, enc in (("topk_momentum@0.02", topk2), ("ternary_momentum", tern)):
+            chunked[name] = (lambda enc=enc: enc(update, kept=kept, velocity=velocity, momentum=0.9, velocity_out=new_v),
+                             lambda enc=enc: unfused_chunked_momentum(enc, update, velocity, spare, kept_naive),
+                             0.02 if "@" in name else None)
         for name, (fused, naive, d) in chunked.items():
-            m = n                      # read update + residual, write kept: 12n bytes
+            # read update + residual, write kept: 12n bytes; with momentum also read velocity, write it: 20n
+            nbytes = 20 * n if "momentum" in name else 12 * n
+            m = nbytes // 12
             variants = {"fused": (nothing, fused), "naive": (nothing, naive), "membound": membound_variant(m, device)}
-            rows.append(record(name.split("@")[0], n, d, None, 12 * n, m, measure(timer, variants, repeats, warmup)))
+            rows.append(record(name.split("@")[0], n, d, None, nbytes, m, measure(timer, variants, repeats, warmup)))
     # averaging does not depend on the density
     bufs = [torch.rand(n, device=device) for _ in range(4)]
     out = torch.empty(n, device=device)

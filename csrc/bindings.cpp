@@ -38,22 +38,29 @@ py::tuple count(uintptr_t update, int32_t dtype, uintptr_t residual, int64_t n, 
   return py::make_tuple(r.count, r.nonfinite_index);
 }
 
+// A fused momentum (gs::Momentum): velocity 0 means none.
+gs::Momentum momentum_of(uintptr_t velocity, float factor, uintptr_t velocity_out) {
+  return gs::Momentum{ptr<const float>(velocity), factor, ptr<float>(velocity_out)};
+}
+
 py::tuple encode(uintptr_t update, int32_t dtype, uintptr_t residual, uintptr_t kept, int64_t n, float tau, float clip,
-                 int32_t choice, uintptr_t out, int64_t capacity, bool cuda, uintptr_t stream) {
+                 int32_t choice, uintptr_t out, int64_t capacity, bool cuda, uintptr_t stream, uintptr_t velocity,
+                 float momentum, uintptr_t velocity_out) {
+  const gs::Momentum mo = momentum_of(velocity, momentum, velocity_out);
   EncodeResult r;
   {
     py::gil_scoped_release nogil;
     if (cuda) {
 #ifdef GS_HAVE_CUDA
       r = gs::encode_cuda(ptr<const void>(update), dtype, ptr<const float>(residual), ptr<float>(kept), n, tau, clip,
-                          choice, ptr<int32_t>(out), capacity, ptr<void>(stream));
+                          choice, ptr<int32_t>(out), capacity, ptr<void>(stream), mo);
 #else
       (void)stream;
       no_cuda();
 #endif
     } else {
       r = gs::encode_cpu(ptr<const void>(update), dtype, ptr<const float>(residual), ptr<float>(kept), n, tau, clip,
-                         choice, ptr<int32_t>(out), capacity);
+                         choice, ptr<int32_t>(out), capacity, mo);
     }
   }
   return py::make_tuple(r.length, r.count, r.nonfinite_index, r.format);
@@ -62,7 +69,9 @@ py::tuple encode(uintptr_t update, int32_t dtype, uintptr_t residual, uintptr_t 
 // Top-k / 8-bit top-k (param = k) or ternary (param = fraction) encode, `format` the message format code;
 // returns (length, entries, first bad).
 py::tuple encode_chunked(int32_t format, uintptr_t update, int32_t dtype, uintptr_t residual, uintptr_t kept, int64_t n,
-                         int64_t chunk, double param, uintptr_t out, int64_t capacity, bool cuda, uintptr_t stream) {
+                         int64_t chunk, double param, uintptr_t out, int64_t capacity, bool cuda, uintptr_t stream,
+                         uintptr_t velocity, float momentum, uintptr_t velocity_out) {
+  const gs::Momentum mo = momentum_of(velocity, momentum, velocity_out);
   gs::ChunkedResult r;
   {
     py::gil_scoped_release nogil;
@@ -71,10 +80,10 @@ py::tuple encode_chunked(int32_t format, uintptr_t update, int32_t dtype, uintpt
       r = format != gs::kTernary
               ? gs::encode_topk_cuda(ptr<const void>(update), dtype, ptr<const float>(residual), ptr<float>(kept), n,
                                      chunk, static_cast<int64_t>(param), format, ptr<int32_t>(out), capacity,
-                                     ptr<void>(stream))
+                                     ptr<void>(stream), mo)
                : gs::encode_ternary_cuda(ptr<const void>(update), dtype, ptr<const float>(residual), ptr<float>(kept),
                                          n, chunk, static_cast<float>(param), ptr<int32_t>(out), capacity,
-                                         ptr<void>(stream));
+                                         ptr<void>(stream), mo);
 #else
       (void)stream;
       no_cuda();
@@ -82,9 +91,9 @@ py::tuple encode_chunked(int32_t format, uintptr_t update, int32_t dtype, uintpt
     } else {
       r = format != gs::kTernary
               ? gs::encode_topk_cpu(ptr<const void>(update), dtype, ptr<const float>(residual), ptr<float>(kept), n,
-                                    chunk, static_cast<int64_t>(param), format, ptr<int32_t>(out), capacity)
+                                    chunk, static_cast<int64_t>(param), format, ptr<int32_t>(out), capacity, mo)
                : gs::encode_ternary_cpu(ptr<const void>(update), dtype, ptr<const float>(residual), ptr<float>(kept),
-                                        n, chunk, static_cast<float>(param), ptr<int32_t>(out), capacity);
+                                        n, chunk, static_cast<float>(param), ptr<int32_t>(out), capacity, mo);
     }
   }
   return py::make_tuple(r.length, r.entries, r.nonfinite_index);
@@ -151,10 +160,11 @@ PYBIND11_MODULE(_C, m) {
         py::arg("cuda"), py::arg("stream"));
   m.def("encode", &encode, py::arg("update"), py::arg("dtype"), py::arg("residual"), py::arg("kept"), py::arg("n"),
         py::arg("tau"), py::arg("clip"), py::arg("choice"), py::arg("out"), py::arg("capacity"), py::arg("cuda"),
-        py::arg("stream"));
+        py::arg("stream"), py::arg("velocity") = 0, py::arg("momentum") = 0.0f, py::arg("velocity_out") = 0);
   m.def("encode_chunked", &encode_chunked, py::arg("format"), py::arg("update"), py::arg("dtype"),
         py::arg("residual"), py::arg("kept"), py::arg("n"), py::arg("chunk"), py::arg("param"), py::arg("out"),
-        py::arg("capacity"), py::arg("cuda"), py::arg("stream"));
+        py::arg("capacity"), py::arg("cuda"), py::arg("stream"), py::arg("velocity") = 0, py::arg("momentum") = 0.0f,
+        py::arg("velocity_out") = 0);
   m.def("decode", &decode, py::arg("dst"), py::arg("n"), py::arg("msgs"), py::arg("num_msgs"), py::arg("row_words"),
         py::arg("scale"), py::arg("cuda"), py::arg("stream"));
   m.def("average", &average, py::arg("dst"), py::arg("srcs"), py::arg("weights"), py::arg("n"), py::arg("cuda"),

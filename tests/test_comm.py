@@ -5,9 +5,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradshare import ops
+from gradshare import TopK, Ternary, ops, reference
 from gradshare.comm import NonFiniteStepError, any_nonfinite, exchange, exchange_async, prefers_dense
 from gradshare.costmodel import allgather_bytes, ring_allreduce_bytes
+from gradshare.compression import Strom
 from gradshare.message import HEADER_WORDS
 from gradshare.workers import run_local
 
@@ -178,3 +179,49 @@ def test_nonfinite_raise_stops_every_rank_and_skip_drops_the_step():
         assert r["skipped"] and r["nonfinite_ranks"] == [0]
         assert r["residual_unchanged"] and r["out_zero"]
         assert r["after"] == 2.0
+
+
+# -- momentum fused into the encode (velocity=): the same as the velocity update, exchange and mask apart --
+def _fused_momentum_exchanges(seed):
+    """Per case: the fused exchange's and the composed one's (out, kept, new velocity), on this rank."""
+    rank = dist.get_rank()
+    n = 50_000
+    cases = {"topk": (TopK(0.02, warmup_steps=0), "auto"), "topk_dense": (TopK(0.02, warmup_steps=0), "always"),
+             "ternary": (Ternary(), "auto"), "strom": (Strom(0.5), "auto"),
+             "strom_dense": (Strom(0.5), "always")}
+    results = {}
+    for name, (codec, fallback) in cases.items():
+        g = torch.Generator().manual_seed(seed + rank)
+        update, velocity, residual = (torch.randn(n, generator=g), torch.randn(n, generator=g),
+                                      torch.randn(n, generator=g) * 0.1)
+        runs = []
+        for fused in (True, False):
+            kept, new_v, out = torch.empty(n), torch.empty(n), torch.empty(n)
+            if fused:
+                r = exchange_async(update, residual, encoder=codec.clone(), out=out, fallback=fallback, kept=kept,
+                                   velocity=(velocity, 0.9, new_v)).wait()
+            else:
+                w = torch.mul(velocity, 0.9).add_(update)
+                r = exchange_async(w, residual, encoder=codec.clone(), out=out, fallback=fallback,
+                                   kept=kept).wait()
+                if r.format == "dense":
+                    w.zero_()
+                else:
+                    w.masked_fill_(reference.sent_mask(r.message, n), 0.0)
+                new_v = w
+            runs.append((r.format, out.numpy().copy(), kept.numpy().copy(), new_v.numpy().copy()))
+        results[name] = runs
+    return results
+
+
+def test_exchange_with_fused_momentum_equals_the_composed_exchange():
+    for rank_result in run_local(_fused_momentum_exchanges, 2, (11,), timeout=300):
+        formats = {}
+        for name, (fused, composed) in rank_result.items():
+            assert fused[0] == composed[0]
+            formats[name] = fused[0]
+            for a, b in zip(fused[1:], composed[1:]):
+                assert np.array_equal(a.view(np.int32), b.view(np.int32)), name
+        assert formats["topk_dense"] == "dense" and formats["strom_dense"] == "dense"
+        assert formats["topk"] == "topk8" and formats["ternary"] == "ternary"
+

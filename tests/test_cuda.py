@@ -1,8 +1,8 @@
 """The CUDA kernels against the CPU kernels, bit for bit, through gradshare.ops with CUDA tensors:
 encode (every format, dtype, clipping, density and size around the kernels' tile and word boundaries),
 count, decode (one and several messages, both formats, scales), averaging (mean, weighted, in place),
-non-finite handling, malformed-message rejection (same error text as the CPU, dst untouched) and
-launching on the caller's current stream. Runs only where a GPU and a CUDA build of gradshare exist."""
+non-finite handling, malformed-message rejection (same error text as the CPU, dst untouched), the fused
+momentum of every encoder and launching on the caller's current stream. Runs only where a GPU and a CUDA build of gradshare exist."""
 import numpy as np
 import pytest
 import torch
@@ -547,3 +547,32 @@ def test_kept_on_the_gpu_matches_in_place_on_the_cpu(kind, n):
     assert_bits_equal(m_gpu, m_cpu)
     assert_bits_equal(kept, r_cpu)
     assert_bits_equal(r_gpu, residual)
+
+
+# ---------------------------------------------------------------------------------------------------
+# momentum fused into the encoders (velocity=): the GPU against the CPU
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["strom", "strom_bitmap", "topk", "topk8", "ternary"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 17, TILE + 1, 4097, 2**20 + 7])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_fused_momentum_matches_cpu(kind, dtype, n, in_place):
+    enc = {"strom": lambda u, r, **kw: ops.encode(u, r, 1.0, clip=0.5, **kw),
+           "strom_bitmap": lambda u, r, **kw: ops.encode(u, r, 0.01, format="bitmap", **kw),
+           "topk": lambda u, r, **kw: ops.encode_topk(u, r, 41, chunk=4096, **kw),
+           "topk8": lambda u, r, **kw: ops.encode_topk(u, r, 82, chunk=4096, values="int8", **kw),
+           "ternary": lambda u, r, **kw: ops.encode_ternary(u, r, 0.5, chunk=4096, **kw)}[kind]
+    update, residual = make_state(n, 0.05, dtype=dtype, seed=n)
+    velocity = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 0.3
+    outs = []
+    for dev in ("cpu", DEV):
+        r = residual.to(dev, copy=True)
+        kept = None if in_place else torch.zeros(n, device=dev)
+        new_v = torch.full((n,), 7.0, device=dev)
+        v = velocity.to(dev, copy=True)
+        msg = enc(update.to(dev, copy=True), r, kept=kept, velocity=v, momentum=0.9, velocity_out=new_v)
+        assert_bits_equal(v, velocity)
+        outs.append((msg, r if in_place else kept, new_v))
+    for a, b in zip(*outs):
+        assert_bits_equal(b, a)

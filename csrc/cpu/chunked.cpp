@@ -4,8 +4,9 @@
 // twin is gradshare/reference.py. One chunk is one unit of work for one thread, so nothing depends on
 // the number of threads.
 //
-// Two phases. Phase 1 (parallel over chunks) computes u = residual + update into a per-thread scratch
-// chunk, checks it is finite and writes the chunk's part of the message. When `kept` is a separate buffer
+// Two phases. Phase 1 (parallel over chunks) computes u = residual + update (with a fused momentum:
+// residual + m * velocity + update, the new velocity going to its own buffer and then zeroed where sent) into
+// a per-thread scratch chunk, checks it is finite and writes the chunk's part of the message. When `kept` is a separate buffer
 // (the residual is only read), phase 1 also writes the chunk's kept residual (u, minus what was sent) from
 // the scratch chunk while it is in cache; a non-finite chunk then leaves `kept` partly written, which the
 // caller discards with the step. In place (kept == residual) the residual may only change once every chunk
@@ -20,12 +21,22 @@
 namespace gs {
 namespace {
 
-// u = residual + update for one chunk into `u`; returns the first non-finite local index or -1.
-template <int DT>
-int64_t load_chunk(const void* update, const float* residual, int64_t lo, int64_t len, float* u) {
+// The encoder's input at element i: the update or, with momentum (MOM), the new velocity m * v + update.
+template <int DT, bool MOM>
+inline float input_at(const void* update, const Momentum& mo, int64_t i) {
+  const float g = load_as_float(update, DT, i);
+  return MOM ? velocity_step(mo.velocity[i], mo.factor, g) : g;
+}
+
+// u = residual + input for one chunk into `u` (with momentum the input, the new velocity, into mo.out too);
+// returns the first non-finite local index or -1.
+template <int DT, bool MOM>
+int64_t load_chunk(const void* update, const Momentum& mo, const float* residual, int64_t lo, int64_t len, float* u) {
   int32_t bad = 0;
   for (int64_t j = 0; j < len; ++j) {
-    const float x = residual[lo + j] + load_as_float(update, DT, lo + j);
+    const float w = input_at<DT, MOM>(update, mo, lo + j);
+    if (MOM) mo.out[lo + j] = w;
+    const float x = residual[lo + j] + w;
     u[j] = x;
     bad |= static_cast<int32_t>(!(x - x == 0.0f));  // x - x is 0 unless x is NaN/Inf
   }
@@ -35,12 +46,44 @@ int64_t load_chunk(const void* update, const float* residual, int64_t lo, int64_
   return -1;
 }
 
-int64_t load(const void* update, int32_t dtype, const float* residual, int64_t lo, int64_t len, float* u) {
+template <bool MOM>
+int64_t load_t(const void* update, int32_t dtype, const Momentum& mo, const float* residual, int64_t lo, int64_t len,
+               float* u) {
   switch (dtype) {
-    case kFloat16: return load_chunk<kFloat16>(update, residual, lo, len, u);
-    case kBFloat16: return load_chunk<kBFloat16>(update, residual, lo, len, u);
-    default: return load_chunk<kFloat32>(update, residual, lo, len, u);
+    case kFloat16: return load_chunk<kFloat16, MOM>(update, mo, residual, lo, len, u);
+    case kBFloat16: return load_chunk<kBFloat16, MOM>(update, mo, residual, lo, len, u);
+    default: return load_chunk<kFloat32, MOM>(update, mo, residual, lo, len, u);
   }
+}
+
+int64_t load(const void* update, int32_t dtype, const Momentum& mo, const float* residual, int64_t lo, int64_t len,
+             float* u) {
+  return mo.velocity ? load_t<true>(update, dtype, mo, residual, lo, len, u)
+                     : load_t<false>(update, dtype, mo, residual, lo, len, u);
+}
+
+// kept[lo, lo + len) = residual + input (phase 2 in place: the chunk's u again).
+template <int DT, bool MOM>
+void add_input_t(const void* update, const Momentum& mo, const float* residual, float* kept, int64_t lo, int64_t len) {
+  for (int64_t j = 0; j < len; ++j) kept[lo + j] = residual[lo + j] + input_at<DT, MOM>(update, mo, lo + j);
+}
+
+template <bool MOM>
+void add_input_m(const void* update, int32_t dtype, const Momentum& mo, const float* residual, float* kept,
+                 int64_t lo, int64_t len) {
+  switch (dtype) {
+    case kFloat16: add_input_t<kFloat16, MOM>(update, mo, residual, kept, lo, len); break;
+    case kBFloat16: add_input_t<kBFloat16, MOM>(update, mo, residual, kept, lo, len); break;
+    default: add_input_t<kFloat32, MOM>(update, mo, residual, kept, lo, len);
+  }
+}
+
+void add_input(const void* update, int32_t dtype, const Momentum& mo, const float* residual, float* kept, int64_t lo,
+               int64_t len) {
+  if (mo.velocity)
+    add_input_m<true>(update, dtype, mo, residual, kept, lo, len);
+  else
+    add_input_m<false>(update, dtype, mo, residual, kept, lo, len);
 }
 
 // Writes the non-finite marker (header + zeros up to `words`).
@@ -177,8 +220,10 @@ void subtract_topk(int32_t format, const int32_t* w, int64_t kc, float* kept) {
 
 // Top-k (format kTopK: bfloat16 values) or 8-bit top-k (kTopK8): the same selection, two layouts.
 ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n,
-                              int64_t chunk, int64_t k, int32_t format, int32_t* out, int64_t capacity) {
+                              int64_t chunk, int64_t k, int32_t format, int32_t* out, int64_t capacity,
+                              const Momentum& mo) {
   const int64_t words = check_chunked_args(format, dtype, n, chunk, k, 0.0f, capacity);
+  check_momentum(mo);
   const int64_t nch = (n + chunk - 1) / chunk, stride = chunk_stride(format, chunk, k);
   const bool direct = kept != residual;  // kept written in phase 1 (see the top of this file)
   std::vector<int64_t> bad(static_cast<size_t>(nch), -1);
@@ -197,10 +242,12 @@ ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, const float* re
     for (int64_t c = 0; c < nch; ++c) {
       const int64_t lo = c * chunk, len = chunk_len(n, chunk, c), kc = topk_k(k, len, chunk);
       int32_t* w = payload + c * stride;  // every earlier chunk is full
-      bad[c] = load(update, dtype, residual, lo, len, u.data());
+      bad[c] = load(update, dtype, mo, residual, lo, len, u.data());
       if (bad[c] >= 0) continue;
       if (kc > 0) select_topk(u.data(), len, kc, scratch, sel.data());
       pack_topk(format, u.data(), sel.data(), kc, w);
+      if (mo.velocity)
+        for (int64_t i = 0; i < kc; ++i) mo.out[lo + sel[i]] = 0.0f;  // momentum factor masking
       if (direct) {
         std::copy(u.data(), u.data() + len, kept + lo);
         subtract_topk(format, w, kc, kept + lo);
@@ -217,18 +264,7 @@ ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, const float* re
     GS_PARALLEL_FOR(n >= kParallelMin)
     for (int64_t c = 0; c < nch; ++c) {
       const int64_t lo = c * chunk, len = chunk_len(n, chunk, c), kc = topk_k(k, len, chunk);
-      switch (dtype) {
-        case kFloat16:
-          for (int64_t j = 0; j < len; ++j) kept[lo + j] = residual[lo + j] + load_as_float(update, kFloat16, lo + j);
-          break;
-        case kBFloat16:
-          for (int64_t j = 0; j < len; ++j) kept[lo + j] = residual[lo + j] + load_as_float(update, kBFloat16, lo + j);
-          break;
-        default: {
-          const float* g = static_cast<const float*>(update);
-          for (int64_t j = 0; j < len; ++j) kept[lo + j] = residual[lo + j] + g[lo + j];
-        }
-      }
+      add_input(update, dtype, mo, residual, kept, lo, len);
       subtract_topk(format, payload + c * stride, kc, kept + lo);
     }
   }
@@ -281,9 +317,9 @@ inline float ternary_kept(float u, bool sent, bool negative, float scale) {
   return u - (sent ? (negative ? -scale : scale) : 0.0f);
 }
 
-template <int DT>
-void ternary_residual(const void* update, const float* residual, float* kept, int64_t lo, int64_t len,
-                      const int32_t* w) {
+template <int DT, bool MOM>
+void ternary_residual(const void* update, const Momentum& mo, const float* residual, float* kept, int64_t lo,
+                      int64_t len, const int32_t* w) {
   const float scale = bits_to_float(w[0]);
   const int64_t words = (len + 15) / 16;
   for (int64_t q = 0; q < words; ++q) {
@@ -292,23 +328,34 @@ void ternary_residual(const void* update, const float* residual, float* kept, in
     const int64_t base = lo + q * 16, m = std::min<int64_t>(16, len - q * 16);
     if (m == 16) {
       for (int b = 0; b < 16; ++b) {
-        const float x = residual[base + b] + load_as_float(update, DT, base + b);
+        const float x = residual[base + b] + input_at<DT, MOM>(update, mo, base + b);
         kept[base + b] = ternary_kept(x, present & kBit[b], negative & kBit[b], scale);
       }
     } else {
       for (int64_t b = 0; b < m; ++b) {
-        const float x = residual[base + b] + load_as_float(update, DT, base + b);
+        const float x = residual[base + b] + input_at<DT, MOM>(update, mo, base + b);
         kept[base + b] = ternary_kept(x, present & kBit[b], negative & kBit[b], scale);
       }
     }
   }
 }
 
+template <bool MOM>
+void ternary_residual_m(const void* update, int32_t dtype, const Momentum& mo, const float* residual, float* kept,
+                        int64_t lo, int64_t len, const int32_t* w) {
+  switch (dtype) {
+    case kFloat16: ternary_residual<kFloat16, MOM>(update, mo, residual, kept, lo, len, w); break;
+    case kBFloat16: ternary_residual<kBFloat16, MOM>(update, mo, residual, kept, lo, len, w); break;
+    default: ternary_residual<kFloat32, MOM>(update, mo, residual, kept, lo, len, w);
+  }
+}
+
 }  // namespace
 
 ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n,
-                                 int64_t chunk, float fraction, int32_t* out, int64_t capacity) {
+                                 int64_t chunk, float fraction, int32_t* out, int64_t capacity, const Momentum& mo) {
   const int64_t words = check_chunked_args(kTernary, dtype, n, chunk, 0, fraction, capacity);
+  check_momentum(mo);
   const int64_t nch = (n + chunk - 1) / chunk, per_full = ternary_chunk_words(chunk);
   const bool direct = kept != residual;  // kept written in phase 1 (see the top of this file)
   std::vector<int64_t> bad(static_cast<size_t>(nch), -1), entries(static_cast<size_t>(nch), 0);
@@ -326,7 +373,7 @@ ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, const float*
 #endif
     for (int64_t c = 0; c < nch; ++c) {
       const int64_t lo = c * chunk, len = chunk_len(n, chunk, c);
-      bad[c] = load(update, dtype, residual, lo, len, u.data());
+      bad[c] = load(update, dtype, mo, residual, lo, len, u.data());
       if (bad[c] >= 0) continue;
       const float th = fraction * (lane_abs_sum<false>(u.data(), len, nullptr) / static_cast<float>(len));
       int64_t cnt = 0;
@@ -342,6 +389,8 @@ ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, const float*
       }
       w[0] = float_to_bits(cnt ? lane_abs_sum<true>(u.data(), len, sent.data()) / static_cast<float>(cnt) : 0.0f);
       entries[c] = cnt;
+      if (mo.velocity)
+        for (int64_t j = 0; j < len; ++j) mo.out[lo + j] = sent[j] ? 0.0f : mo.out[lo + j];  // factor masking
       if (direct) {
         const float scale = bits_to_float(w[0]);
         for (int64_t j = 0; j < len; ++j) kept[lo + j] = ternary_kept(u[j], sent[j], u[j] < 0.0f, scale);
@@ -359,11 +408,10 @@ ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, const float*
     for (int64_t c = 0; c < nch; ++c) {
       const int64_t lo = c * chunk, len = chunk_len(n, chunk, c);
       const int32_t* w = payload + c * per_full;
-      switch (dtype) {
-        case kFloat16: ternary_residual<kFloat16>(update, residual, kept, lo, len, w); break;
-        case kBFloat16: ternary_residual<kBFloat16>(update, residual, kept, lo, len, w); break;
-        default: ternary_residual<kFloat32>(update, residual, kept, lo, len, w);
-      }
+      if (mo.velocity)
+        ternary_residual_m<true>(update, dtype, mo, residual, kept, lo, len, w);
+      else
+        ternary_residual_m<false>(update, dtype, mo, residual, kept, lo, len, w);
     }
   }
   int64_t total = 0;

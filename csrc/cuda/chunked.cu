@@ -9,7 +9,9 @@
 //            form the same pairwise tree as the CPU's lane_tree; ballots build the code words.
 //            Both record the first non-finite u (atomicMin) instead of writing the residual.
 //   phase 2  after one stream sync (the host must know whether to send a marker): kept = u minus what
-//            was sent, one thread per element (`kept`: the residual itself, or a buffer apart from it).
+//            was sent, one thread per element (`kept`: the residual itself, or a buffer apart from it), and
+//            with a fused momentum the new velocity, 0 where sent.
+// A fused momentum (kernels.h) replaces the update by m * velocity + update wherever u is computed.
 #include <cub/block/block_scan.cuh>
 #include <string>
 
@@ -21,8 +23,15 @@ namespace {
 
 using cuda::kThreads;
 
-__device__ __forceinline__ float u_at(const void* update, int32_t dtype, const float* residual, int64_t i) {
-  return residual[i] + load_as_float(update, dtype, i);
+// The encoder's input at element i: the update or, with a fused momentum, the new velocity m * v + update.
+__device__ __forceinline__ float input_at(const void* update, int32_t dtype, const Momentum& mo, int64_t i) {
+  const float g = load_as_float(update, dtype, i);
+  return mo.velocity ? velocity_step(mo.velocity[i], mo.factor, g) : g;
+}
+
+__device__ __forceinline__ float u_at(const void* update, int32_t dtype, const Momentum& mo, const float* residual,
+                                      int64_t i) {
+  return residual[i] + input_at(update, dtype, mo, i);
 }
 
 __device__ __forceinline__ uint32_t mag_of(float u) { return static_cast<uint32_t>(float_to_bits(u)) & 0x7fffffffu; }
@@ -31,8 +40,8 @@ __device__ __forceinline__ uint32_t mag_of(float u) { return static_cast<uint32_
 constexpr int kHistBins = 2048;
 
 __global__ void __launch_bounds__(kThreads)
-    topk_select_kernel(const void* update, int32_t dtype, const float* residual, int64_t n, int64_t chunk, int64_t k,
-                       int32_t* pairs, unsigned long long* first_bad) {
+    topk_select_kernel(const void* update, int32_t dtype, const Momentum mo, const float* residual, int64_t n,
+                       int64_t chunk, int64_t k, int32_t* pairs, unsigned long long* first_bad) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ unsigned int hist[kHistBins];
@@ -51,7 +60,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int b = threadIdx.x; b < bins; b += kThreads) hist[b] = 0;
     __syncthreads();
     for (int64_t j = threadIdx.x; j < len; j += kThreads) {
-      const float u = u_at(update, dtype, residual, lo + j);
+      const float u = u_at(update, dtype, mo, residual, lo + j);
       if (pass == 0 && !is_finite(u)) {
         atomicMin(first_bad, static_cast<unsigned long long>(lo + j));
         s_bad = 1;
@@ -88,7 +97,7 @@ __global__ void __launch_bounds__(kThreads)
     float u = 0.0f;
     uint32_t m = 0;
     if (j < len) {
-      u = u_at(update, dtype, residual, lo + j);
+      u = u_at(update, dtype, mo, residual, lo + j);
       m = mag_of(u);
     }
     const int eq = (j < len && m == T) ? 1 : 0;
@@ -138,29 +147,41 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// kept = u; with a fused momentum the new velocity to mo.out (topk_subtract_kernel then zeroes what was sent).
 __global__ void __launch_bounds__(kThreads)
-    add_update_kernel(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n) {
+    add_update_kernel(const void* update, int32_t dtype, const Momentum mo, const float* residual, float* kept,
+                      int64_t n) {
   const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
-  if (i < n) kept[i] = u_at(update, dtype, residual, i);
+  if (i >= n) return;
+  const float w = input_at(update, dtype, mo, i);
+  if (mo.velocity) mo.out[i] = w;
+  kept[i] = residual[i] + w;
 }
 
-// One thread per chunk (a chunk's entries are distinct elements): kept gives up what was sent.
+// One thread per chunk (a chunk's entries are distinct elements): kept gives up what was sent, and a fused
+// momentum's new velocity (velocity_out, or null) is zeroed there.
 __global__ void __launch_bounds__(kThreads)
-    topk_subtract_kernel(float* kept, const int32_t* payload, int64_t n, int64_t chunk, int64_t k, int32_t format) {
+    topk_subtract_kernel(float* kept, float* velocity_out, const int32_t* payload, int64_t n, int64_t chunk,
+                         int64_t k, int32_t format) {
   const int64_t c = int64_t(blockIdx.x) * kThreads + threadIdx.x, nch = (n + chunk - 1) / chunk;
   if (c >= nch) return;
   const int64_t kc = topk_k(k, chunk_len(n, chunk, c), chunk);
   const int32_t* w = payload + c * chunk_stride(format, chunk, k);
   float* r = kept + c * chunk;
+  float* v = velocity_out ? velocity_out + c * chunk : nullptr;
   if (format == kTopK) {
     for (int64_t i = 0; i < kc; ++i) {
       const uint32_t e = static_cast<uint32_t>(w[i]);
       r[e & 0xffffu] -= bf16_bits_to_float(static_cast<uint16_t>(e >> 16));
+      if (v) v[e & 0xffffu] = 0.0f;
     }
     return;
   }
   const float s = bits_to_float(w[0]);
-  for (int64_t i = 0; i < kc; ++i) r[topk8_index(w, i)] -= topk8_entry(topk8_value(w, kc, i), s);
+  for (int64_t i = 0; i < kc; ++i) {
+    r[topk8_index(w, i)] -= topk8_entry(topk8_value(w, kc, i), s);
+    if (v) v[topk8_index(w, i)] = 0.0f;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------- ternary
@@ -173,8 +194,8 @@ __device__ __forceinline__ float warp_tree(float v) {
 }
 
 __global__ void __launch_bounds__(kThreads)
-    ternary_chunk_kernel(const void* update, int32_t dtype, const float* residual, int64_t n, int64_t chunk,
-                         float fraction, int32_t* payload, unsigned long long* first_bad,
+    ternary_chunk_kernel(const void* update, int32_t dtype, const Momentum mo, const float* residual, int64_t n,
+                         int64_t chunk, float fraction, int32_t* payload, unsigned long long* first_bad,
                          unsigned long long* entries) {
   const int lane = threadIdx.x % 32;
   const int64_t c = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
@@ -184,7 +205,7 @@ __global__ void __launch_bounds__(kThreads)
   float acc = 0.0f;
   int bad = 0;
   for (int64_t j = lane; j < len; j += 32) {
-    const float u = u_at(update, dtype, residual, lo + j);
+    const float u = u_at(update, dtype, mo, residual, lo + j);
     if (!is_finite(u)) {
       atomicMin(first_bad, static_cast<unsigned long long>(lo + j));
       bad = 1;
@@ -203,7 +224,7 @@ __global__ void __launch_bounds__(kThreads)
     float u = 0.0f;
     bool sent = false;
     if (j < len) {
-      u = u_at(update, dtype, residual, lo + j);
+      u = u_at(update, dtype, mo, residual, lo + j);
       sent = ternary_sent(u, th);
     }
     const uint32_t present = __ballot_sync(0xffffffffu, sent);
@@ -224,17 +245,19 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void __launch_bounds__(kThreads)
-    ternary_residual_kernel(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n,
-                            int64_t chunk, const int32_t* payload) {
+    ternary_residual_kernel(const void* update, int32_t dtype, const Momentum mo, const float* residual, float* kept,
+                            int64_t n, int64_t chunk, const int32_t* payload) {
   const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= n) return;
   const int64_t c = i / chunk, j = i % chunk;
   const int32_t* w = payload + c * ternary_chunk_words(chunk);
-  const float x = u_at(update, dtype, residual, i);
+  const float in = input_at(update, dtype, mo, i);
+  const float x = residual[i] + in;
   const uint32_t code = static_cast<uint32_t>(w[1 + j / 16]) >> (j % 16);
   const float scale = bits_to_float(w[0]);
   const float sent = (code >> 16) & 1u ? -scale : scale;
   kept[i] = (code & 1u) ? x - sent : x;
+  if (mo.velocity) mo.out[i] = (code & 1u) ? 0.0f : in;
 }
 
 // ---------------------------------------------------------------------------------------------- plumbing
@@ -288,8 +311,10 @@ ChunkedResult encode_chunked(int32_t format, int64_t n, int64_t chunk, int64_t k
 }
 
 ChunkedResult encode_topk_cuda(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n,
-                               int64_t chunk, int64_t k, int32_t format, int32_t* out, int64_t capacity, void* stream) {
+                               int64_t chunk, int64_t k, int32_t format, int32_t* out, int64_t capacity, void* stream,
+                               const Momentum& mo) {
   const int64_t words = check_chunked_args(format, dtype, n, chunk, k, 0.0f, capacity);
+  check_momentum(mo);
   cuda::DeviceGuard guard(out, "out");
   const cudaStream_t s = cuda::as_stream(stream);
   const int64_t nch = (n + chunk - 1) / chunk;
@@ -299,25 +324,27 @@ ChunkedResult encode_topk_cuda(const void* update, int32_t dtype, const float* r
   return encode_chunked(
       format, n, chunk, k, words, out, s, scratch,
       [&](Flags* flags) {
-        topk_select_kernel<<<static_cast<unsigned int>(nch), kThreads, 0, s>>>(update, dtype, residual, n, chunk, k,
-                                                                               pairs, &flags->first_bad);
+        topk_select_kernel<<<static_cast<unsigned int>(nch), kThreads, 0, s>>>(update, dtype, mo, residual, n, chunk,
+                                                                               k, pairs, &flags->first_bad);
         cuda::check_launch("topk_select_kernel");
         topk_pack_kernel<<<cuda::blocks_for(nch, kThreads), kThreads, 0, s>>>(pairs, n, chunk, k, format,
                                                                              out + kHeaderWords);
         cuda::check_launch("topk_pack_kernel");
       },
       [&]() {
-        add_update_kernel<<<cuda::blocks_for(n, kThreads), kThreads, 0, s>>>(update, dtype, residual, kept, n);
+        add_update_kernel<<<cuda::blocks_for(n, kThreads), kThreads, 0, s>>>(update, dtype, mo, residual, kept, n);
         cuda::check_launch("add_update_kernel");
-        topk_subtract_kernel<<<cuda::blocks_for(nch, kThreads), kThreads, 0, s>>>(kept, out + kHeaderWords, n,
-                                                                                 chunk, k, format);
+        topk_subtract_kernel<<<cuda::blocks_for(nch, kThreads), kThreads, 0, s>>>(
+            kept, mo.velocity ? mo.out : nullptr, out + kHeaderWords, n, chunk, k, format);
         cuda::check_launch("topk_subtract_kernel");
       });
 }
 
 ChunkedResult encode_ternary_cuda(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n,
-                                  int64_t chunk, float fraction, int32_t* out, int64_t capacity, void* stream) {
+                                  int64_t chunk, float fraction, int32_t* out, int64_t capacity, void* stream,
+                                  const Momentum& mo) {
   const int64_t words = check_chunked_args(kTernary, dtype, n, chunk, 0, fraction, capacity);
+  check_momentum(mo);
   cuda::DeviceGuard guard(out, "out");
   const cudaStream_t s = cuda::as_stream(stream);
   const int64_t nch = (n + chunk - 1) / chunk;
@@ -326,12 +353,12 @@ ChunkedResult encode_ternary_cuda(const void* update, int32_t dtype, const float
       kTernary, n, chunk, 0, words, out, s, scratch,
       [&](Flags* flags) {
         ternary_chunk_kernel<<<cuda::blocks_for(nch, kWarps), kThreads, 0, s>>>(
-            update, dtype, residual, n, chunk, fraction, out + kHeaderWords, &flags->first_bad, &flags->entries);
+            update, dtype, mo, residual, n, chunk, fraction, out + kHeaderWords, &flags->first_bad, &flags->entries);
         cuda::check_launch("ternary_chunk_kernel");
       },
       [&]() {
-        ternary_residual_kernel<<<cuda::blocks_for(n, kThreads), kThreads, 0, s>>>(update, dtype, residual, kept, n,
-                                                                                  chunk, out + kHeaderWords);
+        ternary_residual_kernel<<<cuda::blocks_for(n, kThreads), kThreads, 0, s>>>(update, dtype, mo, residual, kept,
+                                                                                  n, chunk, out + kHeaderWords);
         cuda::check_launch("ternary_residual_kernel");
       });
 }

@@ -30,17 +30,20 @@ struct Pass1 {
 
 int64_t num_tiles(int64_t n) { return (n + kTile - 1) / kTile; }
 
+// The encoder's input at element i: the update or, with a fused momentum, the new velocity m * v + update
+// (the branch is the same for every thread).
 template <int DT>
-__device__ __forceinline__ float u_at(const void* update, const float* residual, int64_t i) {
-  return residual[i] + load_as_float(update, DT, i);
+__device__ __forceinline__ float input_at(const void* update, const Momentum& mo, int64_t i) {
+  const float g = load_as_float(update, DT, i);
+  return mo.velocity ? velocity_step(mo.velocity[i], mo.factor, g) : g;
 }
 
 // Pass 1. Rows of kThreads consecutive elements, so loads are coalesced. tile_counts may be null
 // (count only).
 template <int DT>
 __global__ void __launch_bounds__(kThreads)
-    count_kernel(const void* update, const float* residual, int64_t n, float tau, long long* tile_counts,
-                 Pass1* p1) {
+    count_kernel(const void* update, const Momentum mo, const float* residual, int64_t n, float tau,
+                 long long* tile_counts, Pass1* p1) {
   using Reduce = cub::BlockReduce<int, kThreads>;
   __shared__ typename Reduce::TempStorage tmp;
   const int64_t base = int64_t(blockIdx.x) * kTile;
@@ -50,7 +53,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int k = 0; k < kItems; ++k) {
     const int64_t i = base + int64_t(k) * kThreads + threadIdx.x;
     if (i < n) {
-      const float u = u_at<DT>(update, residual, i);
+      const float u = residual[i] + input_at<DT>(update, mo, i);
       cnt += reaches(u, tau) ? 1 : 0;
       if (!is_finite(u) && bad == cuda::kNone) bad = static_cast<unsigned long long>(i);
     }
@@ -68,11 +71,12 @@ __global__ void header_kernel(int32_t* out, int32_t format, int64_t n, int64_t c
 }
 
 // Pass 2 (sparse). Tile layout as in count_kernel; offsets[b] is the exclusive scan of the tile
-// counts. `limit` (the pass-1 total) bounds every write even if the inputs changed in between.
+// counts. `limit` (the pass-1 total) bounds every write even if the inputs changed in between. With a
+// fused momentum the new velocity goes to mo.out, 0 where sent (also in the bitmap kernel).
 template <int DT>
 __global__ void __launch_bounds__(kThreads)
-    write_sparse_kernel(const void* update, const float* residual, float* kept, int64_t n, float tau, float clip,
-                        const long long* offsets, int32_t* payload, int64_t limit) {
+    write_sparse_kernel(const void* update, const Momentum mo, const float* residual, float* kept, int64_t n,
+                        float tau, float clip, const long long* offsets, int32_t* payload, int64_t limit) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage tmp;
   const int64_t base = int64_t(blockIdx.x) * kTile;
@@ -84,8 +88,10 @@ __global__ void __launch_bounds__(kThreads)
     int s = 0;
     if (i < n) {
       float k;
-      s = threshold_step(u_at<DT>(update, residual, i), tau, clip, &k);
+      const float w = input_at<DT>(update, mo, i);
+      s = threshold_step(residual[i] + w, tau, clip, &k);
       kept[i] = k;
+      if (mo.velocity) mo.out[i] = s != 0 ? 0.0f : w;
     }
     int pos, row_count;
     Scan(tmp).ExclusiveSum(s != 0 ? 1 : 0, pos, row_count);
@@ -100,14 +106,16 @@ __global__ void __launch_bounds__(kThreads)
 // (blocks start at multiples of kThreads), written by lanes 0 and 16.
 template <int DT>
 __global__ void __launch_bounds__(kThreads)
-    write_bitmap_kernel(const void* update, const float* residual, float* kept, int64_t n, float tau, float clip,
-                        int32_t* payload) {
+    write_bitmap_kernel(const void* update, const Momentum mo, const float* residual, float* kept, int64_t n,
+                        float tau, float clip, int32_t* payload) {
   const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   int s = 0;
   if (i < n) {
     float k;
-    s = threshold_step(u_at<DT>(update, residual, i), tau, clip, &k);
+    const float w = input_at<DT>(update, mo, i);
+    s = threshold_step(residual[i] + w, tau, clip, &k);
     kept[i] = k;
+    if (mo.velocity) mo.out[i] = s != 0 ? 0.0f : w;
   }
   // Every lane takes part in the ballots (no early return above); lanes past n contribute zeros,
   // so bits past n stay clear.
@@ -122,11 +130,12 @@ __global__ void __launch_bounds__(kThreads)
 
 // Runs pass 1 and waits for it. tile_counts (num_tiles(n) slots) may be null.
 template <int DT>
-Pass1 run_count(const void* update, const float* residual, int64_t n, float tau, long long* tile_counts,
-                Pass1* p1, cudaStream_t stream) {
+Pass1 run_count(const void* update, const Momentum& mo, const float* residual, int64_t n, float tau,
+                long long* tile_counts, Pass1* p1, cudaStream_t stream) {
   cuda::check(cudaMemsetAsync(&p1->total, 0, sizeof p1->total, stream), "cudaMemsetAsync");
   cuda::check(cudaMemsetAsync(&p1->first_bad, 0xff, sizeof p1->first_bad, stream), "cudaMemsetAsync");
-  count_kernel<DT><<<cuda::blocks_for(n, kTile), kThreads, 0, stream>>>(update, residual, n, tau, tile_counts, p1);
+  count_kernel<DT><<<cuda::blocks_for(n, kTile), kThreads, 0, stream>>>(update, mo, residual, n, tau, tile_counts,
+                                                                         p1);
   cuda::check_launch("count_kernel");
   Pass1 h{};
   cuda::check(cudaMemcpyAsync(&h, p1, sizeof h, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync(count)");
@@ -141,13 +150,13 @@ int64_t nonfinite_index(const Pass1& p) {
 template <int DT>
 CountResult count_t(const void* update, const float* residual, int64_t n, float tau, cudaStream_t stream) {
   cuda::Scratch scratch(sizeof(Pass1), stream);
-  const Pass1 p = run_count<DT>(update, residual, n, tau, nullptr, scratch.at<Pass1>(0), stream);
+  const Pass1 p = run_count<DT>(update, Momentum{}, residual, n, tau, nullptr, scratch.at<Pass1>(0), stream);
   return CountResult{static_cast<int64_t>(p.total), nonfinite_index(p)};
 }
 
 template <int DT>
-EncodeResult encode_t(const void* update, const float* residual, float* kept, int64_t n, float tau, float clip,
-                      int32_t choice, int32_t* out, int64_t capacity, cudaStream_t stream) {
+EncodeResult encode_t(const void* update, const Momentum& mo, const float* residual, float* kept, int64_t n, float tau,
+                      float clip, int32_t choice, int32_t* out, int64_t capacity, cudaStream_t stream) {
   // Scratch: [Pass1][tile counts][tile offsets][CUB scan temp], each region 256-byte aligned.
   const int64_t tiles = num_tiles(n);
   size_t scan_bytes = 0;
@@ -162,7 +171,7 @@ EncodeResult encode_t(const void* update, const float* residual, float* kept, in
 
   EncodeResult r{0, 0, -1, kSparse};
   if (n > 0) {
-    const Pass1 p = run_count<DT>(update, residual, n, tau, scratch.at<long long>(at_counts),
+    const Pass1 p = run_count<DT>(update, mo, residual, n, tau, scratch.at<long long>(at_counts),
                                   scratch.at<Pass1>(0), stream);
     r.count = static_cast<int64_t>(p.total);
     r.nonfinite_index = nonfinite_index(p);
@@ -181,11 +190,11 @@ EncodeResult encode_t(const void* update, const float* residual, float* kept, in
                                                 static_cast<int>(tiles), stream),
                   "cub::DeviceScan::ExclusiveSum");
       write_sparse_kernel<DT><<<cuda::blocks_for(n, kTile), kThreads, 0, stream>>>(
-          update, residual, kept, n, tau, clip, offsets, out + kHeaderWords, r.count);
+          update, mo, residual, kept, n, tau, clip, offsets, out + kHeaderWords, r.count);
       cuda::check_launch("write_sparse_kernel");
     } else {
-      write_bitmap_kernel<DT><<<cuda::blocks_for(n, kThreads), kThreads, 0, stream>>>(update, residual, kept, n,
-                                                                                        tau, clip, out + kHeaderWords);
+      write_bitmap_kernel<DT><<<cuda::blocks_for(n, kThreads), kThreads, 0, stream>>>(
+          update, mo, residual, kept, n, tau, clip, out + kHeaderWords);
       cuda::check_launch("write_bitmap_kernel");
     }
   }
@@ -210,19 +219,25 @@ CountResult count_cuda(const void* update, int32_t dtype, const float* residual,
 }
 
 EncodeResult encode_cuda(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n, float tau,
-                         float clip, int32_t choice, int32_t* out, int64_t capacity, void* stream) {
+                         float clip, int32_t choice, int32_t* out, int64_t capacity, void* stream,
+                         const Momentum& mo) {
   check_encode_args(dtype, n, tau, clip, choice, capacity);
+  check_momentum(mo);
   cuda::DeviceGuard guard(out, "out");
   if (n > 0) {
     cuda::device_of(update, "update");
     cuda::device_of(residual, "residual");
     cuda::device_of(kept, "kept");
+    if (mo.velocity) {
+      cuda::device_of(mo.velocity, "velocity");
+      cuda::device_of(mo.out, "velocity_out");
+    }
   }
   const cudaStream_t s = cuda::as_stream(stream);
   switch (dtype) {
-    case kFloat16: return encode_t<kFloat16>(update, residual, kept, n, tau, clip, choice, out, capacity, s);
-    case kBFloat16: return encode_t<kBFloat16>(update, residual, kept, n, tau, clip, choice, out, capacity, s);
-    default: return encode_t<kFloat32>(update, residual, kept, n, tau, clip, choice, out, capacity, s);
+    case kFloat16: return encode_t<kFloat16>(update, mo, residual, kept, n, tau, clip, choice, out, capacity, s);
+    case kBFloat16: return encode_t<kBFloat16>(update, mo, residual, kept, n, tau, clip, choice, out, capacity, s);
+    default: return encode_t<kFloat32>(update, mo, residual, kept, n, tau, clip, choice, out, capacity, s);
   }
 }
 

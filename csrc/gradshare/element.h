@@ -61,6 +61,10 @@ GS_HD int threshold_step(float u, float tau, float clip, float* kept) {
 
 GS_HD bool reaches(float u, float tau) { return u >= tau || u <= -tau; }
 
+// Deep Gradient Compression's momentum correction: the velocity after a step with gradient g, m * v + g,
+// rounded as torch rounds velocity.mul(m).add_(g) (the build disables FMA contraction on CPU and GPU).
+GS_HD float velocity_step(float v, float m, float g) { return m * v + g; }
+
 // The value one message entry adds: tau * scale, rounded once to float32.
 GS_HD float entry_value(float tau, float scale) { return tau * scale; }
 

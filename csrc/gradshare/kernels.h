@@ -32,6 +32,18 @@ struct ChunkedResult {
   int64_t nonfinite_index;  // >= 0: out holds a non-finite marker and the residual is unchanged
 };
 
+// Momentum correction fused into an encode (Deep Gradient Compression). With `velocity` set, the encoder's
+// input is w = factor * velocity + update (element.h's velocity_step) instead of the update, and `out`
+// receives w with the entries just sent set to 0 (momentum factor masking): one kernel where a velocity
+// update, the encode and a mask from the message would each pass over memory. `out` is n floats overlapping
+// no other buffer, so the velocity is only read; on a non-finite result `out` holds nothing of use (the
+// caller keeps the velocity, as it keeps the residual). velocity == nullptr: no momentum, `out` unused.
+struct Momentum {
+  const float* velocity = nullptr;
+  float factor = 0.0f;
+  float* out = nullptr;
+};
+
 // Words an encode may need: enough for either format when the choice is kChooseAuto or kChooseBitmap.
 inline int64_t encode_capacity(int64_t n) { return kHeaderWords + bitmap_words(n); }
 
@@ -44,7 +56,7 @@ CountResult count_cpu(const void* update, int32_t dtype, const float* residual, 
 // Two passes: count (and finiteness) per chunk, then write kept and payload at scanned offsets, so
 // the indices come out ascending whatever the thread count. clip <= 0 disables residual clipping.
 EncodeResult encode_cpu(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n, float tau,
-                        float clip, int32_t choice, int32_t* out, int64_t capacity);
+                        float clip, int32_t choice, int32_t* out, int64_t capacity, const Momentum& mo = {});
 // Validates every message first (nothing is written if any is bad), then adds them in order:
 // dst[i] += sign * (tau * scale). Messages are rows of `row_words` words. dst == nullptr: validate only.
 void decode_cpu(float* dst, int64_t n, const int32_t* msgs, int64_t num_msgs, int64_t row_words, float scale);
@@ -52,9 +64,11 @@ void decode_cpu(float* dst, int64_t n, const int32_t* msgs, int64_t num_msgs, in
 // csrc/cpu/chunked.cpp). `capacity` must hold topk_words / ternary_words.
 // `format`: kTopK (bfloat16 values) or kTopK8 (8-bit values and a scale per chunk).
 ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n,
-                              int64_t chunk, int64_t k, int32_t format, int32_t* out, int64_t capacity);
+                              int64_t chunk, int64_t k, int32_t format, int32_t* out, int64_t capacity,
+                              const Momentum& mo = {});
 ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n,
-                                 int64_t chunk, float fraction, int32_t* out, int64_t capacity);
+                                 int64_t chunk, float fraction, int32_t* out, int64_t capacity,
+                                 const Momentum& mo = {});
 // dst = sum_j weights[j] * srcs[j] (weights == nullptr: the mean). dst may be one of srcs.
 void average_cpu(float* dst, const float* const* srcs, int64_t k, const float* weights, int64_t n);
 
@@ -67,13 +81,16 @@ bool have_openmp();
 CountResult count_cuda(const void* update, int32_t dtype, const float* residual, int64_t n, float tau,
                        void* stream);
 EncodeResult encode_cuda(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n, float tau,
-                         float clip, int32_t choice, int32_t* out, int64_t capacity, void* stream);
+                         float clip, int32_t choice, int32_t* out, int64_t capacity, void* stream,
+                         const Momentum& mo = {});
 void decode_cuda(float* dst, int64_t n, const int32_t* msgs, int64_t num_msgs, int64_t row_words, float scale,
                  void* stream);
 ChunkedResult encode_topk_cuda(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n,
-                               int64_t chunk, int64_t k, int32_t format, int32_t* out, int64_t capacity, void* stream);
+                               int64_t chunk, int64_t k, int32_t format, int32_t* out, int64_t capacity, void* stream,
+                               const Momentum& mo = {});
 ChunkedResult encode_ternary_cuda(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n,
-                                  int64_t chunk, float fraction, int32_t* out, int64_t capacity, void* stream);
+                                  int64_t chunk, float fraction, int32_t* out, int64_t capacity, void* stream,
+                                  const Momentum& mo = {});
 // srcs and weights are host arrays of device pointers / host floats.
 void average_cuda(float* dst, const float* const* srcs, int64_t k, const float* weights, int64_t n, void* stream);
 int cuda_device_count();
@@ -91,6 +108,13 @@ inline void check_encode_args(int32_t dtype, int64_t n, float tau, float clip, i
   if (choice != kChooseAuto && choice != kChooseSparse && choice != kChooseBitmap)
     throw std::invalid_argument("format must be auto, sparse or bitmap");
   if (capacity < kHeaderWords) throw std::invalid_argument("out: capacity is smaller than the message header");
+}
+
+// A fused momentum (see Momentum): an output for the new velocity and a finite factor.
+inline void check_momentum(const Momentum& mo) {
+  if (mo.velocity == nullptr) return;
+  if (mo.out == nullptr) throw std::invalid_argument("velocity_out: needed with a velocity");
+  if (!is_finite(mo.factor)) throw std::invalid_argument("momentum must be a finite float");
 }
 
 // Arguments of the top-k / ternary encoders (CPU and CUDA); returns the message length in words.

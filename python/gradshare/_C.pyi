@@ -14,14 +14,17 @@ def count(update: int, dtype: int, residual: int, n: int, tau: float, cuda: bool
     """(entries whose |residual + update| >= tau, first non-finite index or -1)."""
 
 def encode(update: int, dtype: int, residual: int, kept: int, n: int, tau: float, clip: float, choice: int, out: int,
-           capacity: int, cuda: bool, stream: int) -> Tuple[int, int, int, int]:
+           capacity: int, cuda: bool, stream: int, velocity: int = 0, momentum: float = 0.0,
+           velocity_out: int = 0) -> Tuple[int, int, int, int]:
     """Strom +-tau encoding of residual + update, what is not sent written to kept (the residual itself, or a
-    buffer apart from it): (message words, entries, first non-finite index, format)."""
+    buffer apart from it): (message words, entries, first non-finite index, format). With velocity != 0 the
+    update's place is taken by momentum * velocity + update, written to velocity_out with the sent entries 0."""
 
 def encode_chunked(format: int, update: int, dtype: int, residual: int, kept: int, n: int, chunk: int, param: float,
-                   out: int, capacity: int, cuda: bool, stream: int) -> Tuple[int, int, int]:
+                   out: int, capacity: int, cuda: bool, stream: int, velocity: int = 0, momentum: float = 0.0,
+                   velocity_out: int = 0) -> Tuple[int, int, int]:
     """Top-k or ternary per chunk of residual + update, what is not sent written to kept: (message words,
-    entries, first non-finite index)."""
+    entries, first non-finite index). velocity, momentum, velocity_out: as for encode."""
 
 def decode(dst: int, n: int, msgs: int, num_msgs: int, row_words: int, scale: float, cuda: bool, stream: int) -> None:
     """Adds scale * each message row into dst (bounds-checked; raises MessageError on a bad message)."""

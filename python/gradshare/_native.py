@@ -45,19 +45,28 @@ def count(update: torch.Tensor, residual: torch.Tensor, tau: float) -> tuple:
                     update.is_cuda, _stream(update))
 
 
-def encode(update, residual, kept, tau, clip, choice, out) -> tuple:
-    """What is not sent goes to ``kept`` (``residual`` itself for in place). Returns (length, count,
-    nonfinite_index, format)."""
+def _momentum(velocity) -> tuple:
+    """(velocity, factor, velocity_out) addresses for a fused momentum, or none (0, 0.0, 0)."""
+    if velocity is None:
+        return 0, 0.0, 0
+    v, m, out = velocity
+    return v.data_ptr(), float(m), out.data_ptr()
+
+
+def encode(update, residual, kept, tau, clip, choice, out, velocity=None) -> tuple:
+    """What is not sent goes to ``kept`` (``residual`` itself for in place); ``velocity``: None or
+    (velocity, momentum, velocity_out) for a fused momentum. Returns (length, count, nonfinite_index, format)."""
     return _C.encode(update.data_ptr(), DTYPE_CODES[update.dtype], residual.data_ptr(), kept.data_ptr(),
-                     update.numel(), tau, clip, choice, out.data_ptr(), out.numel(), update.is_cuda, _stream(update))
+                     update.numel(), tau, clip, choice, out.data_ptr(), out.numel(), update.is_cuda, _stream(update),
+                     *_momentum(velocity))
 
 
-def encode_chunked(format: int, update, residual, kept, chunk: int, param: float, out) -> tuple:
+def encode_chunked(format: int, update, residual, kept, chunk: int, param: float, out, velocity=None) -> tuple:
     """Top-k / 8-bit top-k (param = k) or ternary (param = fraction) encode in message format ``format``,
-    what is not sent to ``kept``; returns (length, entries, nonfinite_index)."""
+    what is not sent to ``kept``, ``velocity`` as for :func:`encode`; returns (length, entries, nonfinite_index)."""
     return _C.encode_chunked(format, update.data_ptr(), DTYPE_CODES[update.dtype], residual.data_ptr(),
                              kept.data_ptr(), update.numel(), chunk, float(param), out.data_ptr(), out.numel(),
-                             update.is_cuda, _stream(update))
+                             update.is_cuda, _stream(update), *_momentum(velocity))
 
 
 def decode(dst: torch.Tensor, rows: torch.Tensor, scale: float) -> None:

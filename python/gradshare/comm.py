@@ -51,7 +51,7 @@ from gradshare import message as msgfmt
 from gradshare import ops
 from gradshare._deprecation import RenamedAttribute, renamed_kwargs
 from gradshare.costmodel import allgather_bytes, fixed_allgather_bytes, ring_allreduce_bytes
-from gradshare.message import (BITMAP, CHUNKED, FAILED, FORMAT_NAMES, HEADER_WORDS, LENGTHS_WORDS, NONFINITE, SPARSE,
+from gradshare.message import (BITMAP, FAILED, FORMAT_NAMES, HEADER_WORDS, LENGTHS_WORDS, NONFINITE, SPARSE,
                                TERNARY, TOPK, TOPK8)
 from gradshare.ops import NonFiniteError
 
@@ -129,9 +129,10 @@ class _TauEncoder:
     def words(self, n: int, step) -> None:
         return None
 
-    def encode(self, update, residual, step, kept=None):
+    def encode(self, update, residual, step, kept=None, velocity=None):
+        v, m, v_out = velocity if velocity is not None else (None, 0.0, None)
         return ops.encode(update, residual, self.tau, clip=self.clip, format=self.format, on_nonfinite="flag",
-                          kept=kept)
+                          kept=kept, velocity=v, momentum=m, velocity_out=v_out)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -156,7 +157,7 @@ class _Exchange:
     """One exchange in flight: the stages share this object."""
 
     def __init__(self, update, residual, encoder, step, out, group, average, fallback, backup, nonfinite, name,
-                 kept=None):
+                 kept=None, velocity=None):
         if fallback not in FALLBACKS:
             raise ValueError(f"fallback: expected one of {FALLBACKS}, got {fallback!r}")
         if nonfinite not in POLICIES:
@@ -177,6 +178,11 @@ class _Exchange:
         self.kept = self.residual if kept is None else kept.view(-1)
         if self.kept is not self.residual:
             backup = None
+        # A fused momentum (velocity, m, velocity_out): the encoders take m * velocity + update and write the
+        # new velocity, 0 where sent, to velocity_out; a dense exchange sends everything (velocity_out all 0).
+        if velocity is not None and self.kept is self.residual:
+            raise ValueError("velocity: a fused momentum needs kept= (the residual and velocity are then only read)")
+        self.velocity = velocity
         self.encoder, self.step, self.group, self.average = encoder, step, group, average
         self.fallback, self.backup, self.nonfinite, self.name = fallback, backup, nonfinite, name
         self.world = dist.get_world_size(group)
@@ -197,12 +203,23 @@ class _Exchange:
         if self.backup is not None:
             self.backup.copy_(self.residual)
         if self.dense:                                    # fixed-length policy past the crossover
-            torch.add(self.residual, self.update, out=self.kept)
+            update = self.update
+            if self.velocity is not None:
+                v, m, v_out = self.velocity
+                update = torch.mul(v, m, out=v_out).add_(self.update)
+            torch.add(self.residual, update, out=self.kept)
+            if self.velocity is not None:
+                v_out.zero_()
             self.msg = None
             return None
         try:
-            self.msg = (self.encoder.encode(self.update, self.residual, self.step) if self.kept is self.residual
-                        else self.encoder.encode(self.update, self.residual, self.step, kept=self.kept))
+            if self.kept is self.residual:
+                self.msg = self.encoder.encode(self.update, self.residual, self.step)
+            elif self.velocity is None:
+                self.msg = self.encoder.encode(self.update, self.residual, self.step, kept=self.kept)
+            else:
+                self.msg = self.encoder.encode(self.update, self.residual, self.step, kept=self.kept,
+                                               velocity=self.velocity)
             if self.fixed is not None and self.msg.numel() != self.fixed:
                 raise RuntimeError(f"{self.name}: encoder wrote {self.msg.numel()} words, expected {self.fixed}")
         except Exception as e:  # noqa: BLE001  (every rank must reach the gather; raised after it)
@@ -263,6 +280,8 @@ class _Exchange:
         if self.dense:
             if self.msg is not None:
                 ops.decode(self.kept, self.msg)          # kept := everything not yet applied
+                if self.velocity is not None:
+                    self.velocity[2].zero_()             # ... all of it sent now
             return dist.all_reduce(self.kept, group=group, async_op=async_op)
         L = self.max_words
         if self.msg.numel() == L:
@@ -361,45 +380,14 @@ def any_nonfinite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return (~torch.stack([torch.isfinite(t).all() for t in ts])).any().float().reshape(1)
 
 
-def zero_sent(target: torch.Tensor, result: ExchangeResult) -> None:
-    """Zero ``target`` (flat, the exchanged buffer's size) where this rank's message of ``result`` sent.
-
-    After a dense-fallback step everything was sent: all of ``target`` is zeroed; after a skipped step
-    nothing is. Used for momentum factor masking (Deep Gradient Compression): the local velocity of
-    elements that were just sent starts again from zero.
-    """
-    t = target.view(-1)
-    if result.skipped:
-        return
-    if result.format == "dense":
-        t.zero_()
-        return
-    msg = result.message
-    fmt, count = int(msg[1]), int(msg[3])
-    if fmt in CHUNKED:
-        sent = torch.zeros(t.numel(), dtype=torch.float32, device=t.device)
-        ops.decode(sent, msg)
-        t.masked_fill_(sent != 0, 0.0)
-        return
-    if count == 0:
-        return
-    if fmt == SPARSE:
-        idx = msg[HEADER_WORDS:HEADER_WORDS + count].abs().long() - 1
-        t.index_fill_(0, idx.to(t.device), 0.0)
-    else:
-        sent = torch.zeros(t.numel(), dtype=torch.float32, device=t.device)
-        ops.decode(sent, msg)
-        t.masked_fill_(sent != 0, 0.0)
-
-
 def _make(update, residual, tau, encoder, clip, format, step, out, group, average, fallback, backup, nonfinite,
-          name, kept=None) -> _Exchange:
+          name, kept=None, velocity=None) -> _Exchange:
     if (tau is None) == (encoder is None):
         raise TypeError("exchange: pass either tau (+-tau threshold encoding) or encoder= (a compression policy)")
     if encoder is None:
         encoder = _TauEncoder(tau, clip, format)
     return _Exchange(update, residual, encoder, step if step is not None else 0, out, group, average, fallback,
-                     backup, nonfinite, name, kept)
+                     backup, nonfinite, name, kept, velocity)
 
 
 @renamed_kwargs(group="process_group")
@@ -525,17 +513,19 @@ def exchange_async(update: torch.Tensor, residual: torch.Tensor, tau: Optional[f
                    clip: Optional[float] = None, format: str = "auto", fallback: str = "auto",
                    backup: Optional[torch.Tensor] = None, nonfinite: str = "raise", step: Optional[int] = None,
                    name: str = "buffer", channel: Optional[Channel] = None,
-                   kept: Optional[torch.Tensor] = None) -> torch.futures.Future:
+                   kept: Optional[torch.Tensor] = None, velocity=None) -> torch.futures.Future:
     """Non-blocking exchange: encodes now, returns a Future[ExchangeResult] chained on async collectives.
 
-    Same arguments as ``exchange``. Fixed-length messages (TopK, Ternary) are gathered at once, on
+    Same arguments as ``exchange``, and ``velocity``: None, or (velocity, m, velocity_out) to encode
+    m * velocity + update instead of the update, the new velocity (0 where sent) written to velocity_out in
+    the same kernel (Deep Gradient Compression's momentum correction; needs ``kept``). Fixed-length messages (TopK, Ternary) are gathered at once, on
     ``process_group``, in call order. Varying-length ones first gather the lengths on ``process_group``
     (launched here, on the caller's thread) and then the payload on ``channel``'s private group (default: one
     channel per group), launched in call order when the lengths arrive. Errors (NonFiniteStepError, a failed
     collective) are set on the returned future: ``wait()`` raises them on every rank.
     """
     ex = _make(update, residual, tau, encoder, clip, format, step, out, process_group, average, fallback, backup,
-               nonfinite, name, kept)
+               nonfinite, name, kept, velocity)
     result: torch.futures.Future = torch.futures.Future()
 
     def fail(e: BaseException) -> None:

@@ -43,9 +43,10 @@ TOPK_CHUNK = msgfmt.MAX_TOPK_CHUNK       # TopK's: the widest window a 16-bit po
 
 class Compression:
     """Base class. ``words(n, step)``: the fixed message length (None: it varies, lengths are gathered
-    first); ``encode(update, residual, step, kept=None)``: one message, what is not sent kept in the residual
-    (in place) or, when given, in ``kept`` (the residual only read); ``observe``:
-    learn from the finished exchange (adaptive thresholds)."""
+    first); ``encode(update, residual, step, kept=None, velocity=None)``: one message, what is not sent kept
+    in the residual (in place) or, when given, in ``kept`` (the residual only read); ``velocity`` (None, or
+    (velocity, m, velocity_out)): momentum correction fused into the encode (gradshare.ops.encode);
+    ``observe``: learn from the finished exchange (adaptive thresholds)."""
 
     name = "compression"
 
@@ -53,7 +54,7 @@ class Compression:
         raise NotImplementedError
 
     def encode(self, update: torch.Tensor, residual: torch.Tensor, step: int,
-               kept: Optional[torch.Tensor] = None) -> torch.Tensor:
+               kept: Optional[torch.Tensor] = None, velocity=None) -> torch.Tensor:
         raise NotImplementedError
 
     def observe(self, count: int, n: int, message_format: int) -> None:
@@ -80,6 +81,14 @@ class Compression:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "kind")
         return f"{type(self).__name__}({args})"
+
+
+def _momentum_kwargs(velocity) -> Dict[str, Any]:
+    """The ops keywords of a fused momentum (velocity, m, velocity_out), or none."""
+    if velocity is None:
+        return {}
+    v, m, out = velocity
+    return {"velocity": v, "momentum": m, "velocity_out": out}
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -146,8 +155,9 @@ class TopK(Compression):
         fmt = msgfmt.TOPK8 if self.values == "int8" else msgfmt.TOPK
         return msgfmt.chunked_words(fmt, n, self.chunk, self.k(step))
 
-    def encode(self, update, residual, step, kept=None):
-        return ops.encode_topk(update, residual, self.k(step), chunk=self.chunk, values=self.values, kept=kept)
+    def encode(self, update, residual, step, kept=None, velocity=None):
+        return ops.encode_topk(update, residual, self.k(step), chunk=self.chunk, values=self.values, kept=kept,
+                               **_momentum_kwargs(velocity))
 
     def config(self):
         return {"kind": "TopK", "density": self.density, "chunk": self.chunk, "warmup_steps": self.warmup_steps,
@@ -174,8 +184,9 @@ class Ternary(Compression):
     def words(self, n: int, step: int) -> int:
         return msgfmt.ternary_words(n, self.chunk)
 
-    def encode(self, update, residual, step, kept=None):
-        return ops.encode_ternary(update, residual, self.fraction, chunk=self.chunk, kept=kept)
+    def encode(self, update, residual, step, kept=None, velocity=None):
+        return ops.encode_ternary(update, residual, self.fraction, chunk=self.chunk, kept=kept,
+                                  **_momentum_kwargs(velocity))
 
     def config(self):
         return {"kind": "Ternary", "fraction": self.fraction, "chunk": self.chunk}
@@ -202,9 +213,10 @@ class Strom(Compression):
     def words(self, n: int, step: int) -> None:
         return None
 
-    def encode(self, update, residual, step, kept=None):
+    def encode(self, update, residual, step, kept=None, velocity=None):
         clip = self.clipping.factor(step) if self.clipping is not None else None
-        return ops.encode(update, residual, self.threshold.tau, clip=clip, on_nonfinite="flag", kept=kept)
+        return ops.encode(update, residual, self.threshold.tau, clip=clip, on_nonfinite="flag", kept=kept,
+                          **_momentum_kwargs(velocity))
 
     def observe(self, count: int, n: int, message_format: int) -> None:
         self.threshold.observe(count, n, message_format)
@@ -235,7 +247,7 @@ class Dense(Compression):
     def words(self, n: int, step: int) -> int:
         return n + msgfmt.HEADER_WORDS
 
-    def encode(self, update, residual, step, kept=None):
+    def encode(self, update, residual, step, kept=None, velocity=None):
         raise ValueError("Dense() is sent by all-reduce; it cannot be used with fallback='never'")
 
 

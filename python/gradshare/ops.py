@@ -149,13 +149,13 @@ def _check_kept(kept, update: torch.Tensor, residual: torch.Tensor) -> Optional[
 # ---------------------------------------------------------------------------------------------------
 
 def _encode_into(update: torch.Tensor, residual: torch.Tensor, kept: torch.Tensor, tau: float, clip: float,
-                 choice: int) -> torch.Tensor:
+                 choice: int, velocity=None) -> torch.Tensor:
     # clip: the clipping factor c (<= 0: none); the kernels take the bound c * tau rounded to float32.
     n = update.numel()
     cap = msgfmt.HEADER_WORDS + (n if choice == msgfmt.SPARSE else msgfmt.bitmap_words(n))
     out = torch.empty(cap, dtype=torch.int32, device=update.device)
     bound = reference.clip_value(tau, clip if clip > 0 else None)
-    length, count, bad, fmt = _native.encode(update, residual, kept, tau, bound, choice, out)
+    length, count, bad, fmt = _native.encode(update, residual, kept, tau, bound, choice, out, velocity)
     if bad >= 0:
         return msgfmt.nonfinite_marker(n, tau, bad, device=update.device)
     # Keep a short message in its own small allocation rather than a view of the worst-case buffer.
@@ -179,10 +179,10 @@ def _(update, residual, tau, clip, choice):
 
 
 def _encode_topk_into(update: torch.Tensor, residual: torch.Tensor, kept: torch.Tensor, k: int, chunk: int,
-                      int8: bool) -> torch.Tensor:
+                      int8: bool, velocity=None) -> torch.Tensor:
     fmt = msgfmt.TOPK8 if int8 else msgfmt.TOPK
     out = torch.empty(msgfmt.chunked_words(fmt, update.numel(), chunk, k), dtype=torch.int32, device=update.device)
-    _native.encode_chunked(fmt, update, residual, kept, chunk, k, out)
+    _native.encode_chunked(fmt, update, residual, kept, chunk, k, out, velocity)
     return out
 
 
@@ -202,9 +202,9 @@ def _(update, residual, k, chunk, int8):
 
 
 def _encode_ternary_into(update: torch.Tensor, residual: torch.Tensor, kept: torch.Tensor, fraction: float,
-                         chunk: int) -> torch.Tensor:
+                         chunk: int, velocity=None) -> torch.Tensor:
     out = torch.empty(msgfmt.ternary_words(update.numel(), chunk), dtype=torch.int32, device=update.device)
-    _native.encode_chunked(msgfmt.TERNARY, update, residual, kept, chunk, fraction, out)
+    _native.encode_chunked(msgfmt.TERNARY, update, residual, kept, chunk, fraction, out, velocity)
     return out
 
 
@@ -221,6 +221,18 @@ _encode_ternary_op = torch.library.custom_op("gradshare::encode_ternary", _encod
 @_encode_ternary_op.register_fake
 def _(update, residual, fraction, chunk):
     return update.new_empty(msgfmt.ternary_words(update.numel(), chunk), dtype=torch.int32)
+
+
+def _sent_impl(row: torch.Tensor, n: int) -> torch.Tensor:
+    return reference.sent_mask(row, n)
+
+
+_sent_op = torch.library.custom_op("gradshare::sent_mask", _sent_impl, mutates_args=())
+
+
+@_sent_op.register_fake
+def _(row, n):
+    return row.new_empty(n, dtype=torch.bool)
 
 
 def _count_impl(update: torch.Tensor, residual: torch.Tensor, tau: float) -> torch.Tensor:
@@ -279,18 +291,62 @@ def _run(op, impl, *args):
     return op(*args)
 
 
-def _run_encode(op, impl, into, update: torch.Tensor, residual: torch.Tensor, kept: Optional[torch.Tensor], *args):
-    """An encode whose kept residual goes to ``kept`` (None: the residual, in place). Eager calls on plain
-    tensors with the native library make one pass that only reads the residual; otherwise (tracing, the
-    pure-torch reference) kept takes a copy of the residual and the in-place op runs on it: the same result."""
-    if kept is None:
+def _run_encode(op, impl, into, update: torch.Tensor, residual: torch.Tensor, kept: Optional[torch.Tensor], *args,
+                velocity=None):
+    """An encode whose kept residual goes to ``kept`` (None: the residual, in place), with a fused momentum when
+    ``velocity`` is (velocity, m, velocity_out). Eager calls on plain tensors with the native library run the
+    kernel once (reading the residual only when ``kept`` is given); otherwise (tracing, the pure-torch
+    reference) the same result is composed: velocity_out = m * velocity + update, the in-place op on it (and on
+    a copy of the residual in ``kept``), then velocity_out zeroed where the message sent."""
+    if kept is None and velocity is None:
         return _run(op, impl, update, residual, *args)
-    plain = all(type(t) is torch.Tensor for t in (update, residual, kept))
+    tensors = (update, residual) + (() if kept is None else (kept,)) + (() if velocity is None else
+                                                                       (velocity[0], velocity[2]))
+    plain = all(type(t) is torch.Tensor for t in tensors)
     if (plain and not torch.compiler.is_compiling() and not torch._C._is_torch_function_mode_enabled()
             and _native.available()):
-        return into(update, residual, kept, *args)
-    kept.copy_(residual)
-    return _run(op, impl, update, kept, *args)
+        return into(update, residual, residual if kept is None else kept, *args, velocity=velocity)
+    if velocity is not None:
+        v, m, new_v = velocity
+        update = torch.mul(v, m, out=new_v).add_(update)
+    if kept is not None:
+        kept.copy_(residual)
+        residual = kept
+    msg = _run(op, impl, update, residual, *args)
+    if velocity is not None:
+        new_v.masked_fill_(_run(_sent_op, _sent_impl, msg, new_v.numel()), 0.0)
+    return msg
+
+
+def _check_velocity(velocity, momentum, velocity_out, update: torch.Tensor, residual: torch.Tensor,
+                    kept: Optional[torch.Tensor]):
+    """A fused momentum's (velocity, m, velocity_out), flat, or None when neither buffer is given."""
+    if velocity is None and velocity_out is None:
+        return None
+    if velocity is None or velocity_out is None:
+        raise ValueError("velocity and velocity_out: pass both (a fused momentum) or neither")
+    v = _as_tensor(velocity, "velocity")
+    out = _as_tensor(velocity_out, "velocity_out", written=True)
+    for t, name in ((v, "velocity"), (out, "velocity_out")):
+        _check_flat(t, name, (torch.float32,))
+        _check_same_device(residual, t, "residual", name)
+        if t.numel() != residual.numel():
+            raise ValueError(f"{name}: {t.numel()} elements but residual has {residual.numel()}")
+    try:
+        m = float(momentum)
+    except (TypeError, ValueError):
+        raise TypeError(f"momentum: expected a float, got {type(momentum).__name__}") from None
+    with np.errstate(over="ignore"):
+        if not np.isfinite(np.float32(m)):
+            raise ValueError(f"momentum: must be a finite float32, got {momentum}")
+    written = [(residual, "residual")] + ([] if kept is None else [(kept, "kept")])
+    for other, name in [(update, "update"), (v, "velocity")] + written:
+        if _overlap(out, other):
+            raise ValueError(f"velocity_out: shares memory with {name}; pass a separate buffer")
+    for other, name in written:
+        if _overlap(v, other):
+            raise ValueError(f"velocity: shares memory with {name}, which the encode writes; pass separate buffers")
+    return v.view(-1), float(np.float32(m)), out.view(-1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -298,7 +354,9 @@ def _run_encode(op, impl, into, update: torch.Tensor, residual: torch.Tensor, ke
 # ---------------------------------------------------------------------------------------------------
 
 def encode(update: ArrayLike, residual: ArrayLike, tau: float, *, clip: Optional[float] = None,
-           format: str = "auto", on_nonfinite: str = "raise", kept: Optional[ArrayLike] = None) -> ArrayLike:
+           format: str = "auto", on_nonfinite: str = "raise", kept: Optional[ArrayLike] = None,
+           velocity: Optional[ArrayLike] = None, momentum: float = 0.0,
+           velocity_out: Optional[ArrayLike] = None) -> ArrayLike:
     """Threshold-encode ``residual + update`` and keep what was not sent in ``residual`` (in place), or in
     ``kept``.
 
@@ -317,6 +375,12 @@ def encode(update: ArrayLike, residual: ArrayLike, tau: float, *, clip: Optional
         kept: optional float32 buffer of the residual's size that receives what was not sent; the residual
             is then only read (so a step that fails later can keep it). It must not overlap the update or
             the residual.
+        velocity, momentum, velocity_out: Deep Gradient Compression's momentum correction in the same kernel.
+            With float32 buffers ``velocity`` and ``velocity_out`` (the residual's size; velocity_out overlapping
+            nothing else) the encoded value is u = residual + (momentum * velocity + update), and
+            ``velocity_out`` receives momentum * velocity + update with the sent entries set to 0 (momentum
+            factor masking); ``velocity`` is only read. Rounds as ``velocity * momentum + update`` in torch.
+            On a non-finite u ``velocity_out`` holds nothing of use.
 
     Returns:
         One int32 message (see gradshare.message), indices ascending whatever the thread count.
@@ -330,8 +394,9 @@ def encode(update: ArrayLike, residual: ArrayLike, tau: float, *, clip: Optional
     if on_nonfinite not in ("raise", "flag"):
         raise ValueError(f"on_nonfinite: expected 'raise' or 'flag', got {on_nonfinite!r}")
     kept = _check_kept(kept, update, residual)
+    vel = _check_velocity(velocity, momentum, velocity_out, update, residual, kept)
     out = _run_encode(_encode_op, _encode_impl, _encode_into, update.view(-1), residual.view(-1),
-                      None if kept is None else kept.view(-1), tau, clip, msgfmt.FORMAT_CHOICES[format])
+                      None if kept is None else kept.view(-1), tau, clip, msgfmt.FORMAT_CHOICES[format], velocity=vel)
     if on_nonfinite == "raise" and int(out[1]) == NONFINITE:
         raise NonFiniteError(int(out[3]))
     return out.cpu().numpy() if as_numpy else out
@@ -348,7 +413,8 @@ def _check_chunk(chunk, low: int, high: int, multiple: int = 1) -> int:
 
 
 def encode_topk(update: ArrayLike, residual: ArrayLike, k: int, *, chunk: int = 4096,
-                values: str = "bf16", kept: Optional[ArrayLike] = None) -> torch.Tensor:
+                values: str = "bf16", kept: Optional[ArrayLike] = None, velocity: Optional[ArrayLike] = None,
+                momentum: float = 0.0, velocity_out: Optional[ArrayLike] = None) -> torch.Tensor:
     """Top-k encode ``residual + update`` per chunk, keeping what was not sent in ``residual`` (in place), or
     in ``kept`` (as for :func:`encode`: the residual is then only read).
 
@@ -359,6 +425,8 @@ def encode_topk(update: ArrayLike, residual: ArrayLike, k: int, *, chunk: int = 
     |value| / 127, and each value as a rounded multiple of it; 3 bytes an entry, format 5).
     The message length depends only on (n, chunk, k), so every rank's message has the same size.
     Non-finite u: a non-finite marker of the same length is returned and the residual is left unchanged.
+    ``velocity``, ``momentum``, ``velocity_out``: a fused momentum, as for :func:`encode` (an element is sent
+    when it is selected).
     """
     update, residual = _check_update_residual(update, residual, residual_written=True)
     chunk = _check_chunk(chunk, 1, msgfmt.MAX_TOPK_CHUNK)
@@ -367,19 +435,22 @@ def encode_topk(update: ArrayLike, residual: ArrayLike, k: int, *, chunk: int = 
     if values not in ("bf16", "int8"):
         raise ValueError(f"values: expected 'bf16' or 'int8', got {values!r}")
     kept = _check_kept(kept, update, residual)
+    vel = _check_velocity(velocity, momentum, velocity_out, update, residual, kept)
     return _run_encode(_encode_topk_op, _encode_topk_impl, _encode_topk_into, update.view(-1), residual.view(-1),
-                       None if kept is None else kept.view(-1), int(k), chunk, values == "int8")
+                       None if kept is None else kept.view(-1), int(k), chunk, values == "int8", velocity=vel)
 
 
 def encode_ternary(update: ArrayLike, residual: ArrayLike, fraction: float = 0.5, *,
-                   chunk: int = 4096, kept: Optional[ArrayLike] = None) -> torch.Tensor:
+                   chunk: int = 4096, kept: Optional[ArrayLike] = None, velocity: Optional[ArrayLike] = None,
+                   momentum: float = 0.0, velocity_out: Optional[ArrayLike] = None) -> torch.Tensor:
     """Ternary encode ``residual + update`` per chunk, keeping what was not sent in ``residual`` (in place),
     or in ``kept`` (as for :func:`encode`: the residual is then only read).
 
     In every chunk, the entries with |u| >= fraction * mean|u| (and u != 0) are sent as +-scale, where scale
     is the mean |u| of those entries (one float per chunk, 2 bits per element: 16x smaller than float32).
     Sums run in a fixed order, so the result does not depend on threads or device. Non-finite u: a
-    non-finite marker of the same length, residual unchanged.
+    non-finite marker of the same length, residual unchanged. ``velocity``, ``momentum``, ``velocity_out``: a
+    fused momentum, as for :func:`encode`.
     """
     update, residual = _check_update_residual(update, residual, residual_written=True)
     chunk = _check_chunk(chunk, 16, 2**30, multiple=16)
@@ -390,8 +461,9 @@ def encode_ternary(update: ArrayLike, residual: ArrayLike, fraction: float = 0.5
     if not (f >= 0 and math.isfinite(f)):
         raise ValueError(f"fraction: must be a finite number >= 0, got {fraction}")
     kept = _check_kept(kept, update, residual)
+    vel = _check_velocity(velocity, momentum, velocity_out, update, residual, kept)
     return _run_encode(_encode_ternary_op, _encode_ternary_impl, _encode_ternary_into, update.view(-1),
-                       residual.view(-1), None if kept is None else kept.view(-1), f, chunk)
+                       residual.view(-1), None if kept is None else kept.view(-1), f, chunk, velocity=vel)
 
 
 def count(update: ArrayLike, residual: ArrayLike, tau: float) -> int:

@@ -416,6 +416,36 @@ def decode(dst: torch.Tensor, messages, scale: float = 1.0) -> None:
         flat[idx.to(dst.device)] = vals
 
 
+def sent_mask(row: torch.Tensor, n: int) -> torch.Tensor:
+    """Which of n elements a sound message (not a marker) sends an entry for, as a bool tensor on the row's
+    device: a top-k message's selected elements (whatever value they carry), a ternary or bitmap message's
+    present bits, a sparse message's indices. A fused momentum zeroes the new velocity there."""
+    cpu = row.cpu().long()
+    fmt = int(cpu[1])
+    mask = torch.zeros(n, dtype=torch.bool)
+    if fmt in msgfmt.CHUNKED:
+        chunk, k, _, parts = _chunked_parts(cpu, fmt, n)
+        for lo, ln, p in parts:
+            if p.shape[1] == 0:
+                continue
+            base = lo + torch.arange(p.shape[0]).view(-1, 1) * ln
+            if fmt == TOPK:
+                idx = base + (p & 0xFFFF)
+            elif fmt == TOPK8:
+                idx = base + _topk8_fields(p, (k * ln + chunk - 1) // chunk)[1]
+            else:
+                present = ((p[:, 1:].unsqueeze(2) >> torch.arange(16)) & 1).view(p.shape[0], -1)[:, :ln].bool()
+                idx = (base + torch.arange(ln))[present]
+            mask[idx.reshape(-1)] = True
+    elif fmt == SPARSE:
+        count = int(cpu[3])
+        mask[cpu[HEADER_WORDS:HEADER_WORDS + count].abs() - 1] = True
+    elif fmt == BITMAP:
+        w = (cpu[HEADER_WORDS:HEADER_WORDS + msgfmt.bitmap_words(n)] & 0xFFFF).view(-1, 1)
+        mask = ((w >> torch.arange(16)) & 1).flatten()[:n].bool()
+    return mask.to(row.device)
+
+
 def average(buffers: Sequence[torch.Tensor], weights: Optional[Sequence[float]] = None) -> torch.Tensor:
     """sum_j w_j * buffers[j] (or the mean), accumulated left to right in float32."""
     if weights is None:

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from gradshare import comm, optimizer_state, second_moment
-from gradshare.comm import ExchangeResult, NonFiniteStepError, exchange_async, zero_sent
+from gradshare.comm import ExchangeResult, NonFiniteStepError, exchange_async
 from gradshare.compression import Compression, as_compression, for_optimizer
 from gradshare.costmodel import ring_allreduce_bytes
 from gradshare.link import ALLREDUCE, LinkAware
@@ -374,16 +374,17 @@ class Sharing:
         What is not sent goes to ``b.spare``: the residual is only read until :meth:`commit`."""
         if not b.agreed:
             self.agree(b)
-        if b.velocity is not None:               # momentum correction: encode u = m*u + g
-            update = torch.mul(b.velocity, self.momentum, out=b.velocity_spare).add_(update.view(-1))
+        # Momentum correction: the encoders take u = m*u + g and write it, 0 where sent (factor masking), to the
+        # spare velocity in the same kernel; commit() makes it the velocity.
+        velocity = None if b.velocity is None else (b.velocity, self.momentum, b.velocity_spare)
         b.in_step = True
         return exchange_async(update, b.residual, encoder=b.compression, out=out, process_group=self.process_group,
                               average=self.reduce == "mean", fallback=self.fallback, nonfinite=self.nonfinite,
-                              step=self.step, name=name, kept=b.spare)
+                              step=self.step, name=name, kept=b.spare, velocity=velocity)
 
     def finish(self, results: Sequence[Tuple[Bucket, ExchangeResult]]) -> bool:
-        """Ends a step once all its exchanges are done: adapts thresholds, masks velocities and records
-        statistics, or, when any bucket was skipped, restores every bucket. Returns False when skipped."""
+        """Ends a step once all its exchanges are done: adapts thresholds and records statistics, or, when any
+        bucket was skipped, restores every bucket. Returns False when skipped."""
         skipped = any(r.skipped for _, r in results)
         want_norm = self.stats.wants_norm(self.step)
         for b, r in results:
@@ -392,8 +393,6 @@ class Sharing:
             else:
                 self.commit(b)
                 b.compression.observe(r.count, r.n, r.message_format)
-                if b.velocity is not None:
-                    zero_sent(b.velocity, r)      # momentum factor masking
             self.stats.add(StepRecord(step=self.step, bucket=b.index, n=r.n, tau=r.tau, count=r.count,
                                       density=r.density, format="skipped" if skipped else r.format,
                                       bytes_sent=r.bytes_sent, dense_bytes=r.dense_bytes,
