@@ -203,8 +203,9 @@ def test_defaults_turn_it_on_only_where_it_applies():
 # ------------------------------------------------------------------------------------------- two ranks
 def _setup(front, optimizer, costs, compression=None, nonfinite="raise"):
     model = _net()
-    inner = (torch.optim.AdamW(model.parameters(), lr=1e-2) if optimizer == "adamw"
-             else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    inner = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+             "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),   # factored (row, column) moments
+             "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)}[optimizer](model.parameters())
     clock = FakeClock(costs)
     kw = dict(compression=compression, link=LinkAware(clock=clock), nonfinite=nonfinite)
     if front == "hook":
@@ -262,7 +263,7 @@ def _agree_and_switch(front, optimizer):
 
 
 @pytest.mark.parametrize("front", ["hook", "optimizer"])
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"] + (["adafactor"] if hasattr(torch.optim, "Adafactor") else []))
 def test_ranks_agree_and_switching_keeps_replicas_and_states_equal(front, optimizer):
     a, b = run_local(_agree_and_switch, 2, args=(front, optimizer), timeout=180)
     assert a["modes"] == b["modes"]

@@ -1,6 +1,7 @@
 """Adam's steps rescaled to the global batch's second moment (gradshare.second_moment): the formula against a
 float64 reference, the cases that change nothing, and, with 2 ranks, that averaging the ranks' rescaled AdamW
 steps tracks an Adam on the global batch (what DDP runs) much closer than averaging their own steps."""
+import copy
 import math
 
 import numpy as np
@@ -45,6 +46,63 @@ def test_step_excess_matches_float64_reference(cls, amsgrad, world):
     # the global batch's step is never smaller: it divides by a second moment no larger than the rank's own
     assert bool(((got * opt.state[p]["exp_avg"]) >= 0).all())
     assert float(got.abs().max()) > 0
+
+
+def _substituted_step(cls, steps, world, **kw):
+    """(change + excess, the optimizer's own change with the global second moment), both float64: the
+    reference steps once more from the same state with exp_avg_sq chosen so that, after its update, it holds
+    v_global, so that the optimizer itself takes the global-batch step (whatever its eps placement)."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64))
+    opt = cls([p], lr=1e-2, betas=(0.9, 0.99), eps=1e-3, **kw)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps - 1):
+        p.grad = torch.randn(64, generator=g) * 0.3 + 0.5
+        opt.step()
+    p.grad = torch.randn(64, generator=g) * 0.3 + 0.5
+    saved_p, saved_state = p.detach().clone(), copy.deepcopy(opt.state[p])
+    opt.step()
+    change = saved_p - p.detach()
+    group, st = opt.param_groups[0], opt.state[p]
+    excess = second_moment.step_excess(p, st, group, world, second_moment.kind(opt), change)
+    if excess is None:
+        return None, None
+    got = (change + excess).double()
+    # the reference: v_global in the optimizer's units, and the exp_avg_sq that its update turns into it
+    t, (b1, b2) = float(st["step"]), group["betas"]
+    m = st["exp_avg"].double() / (1 - b1 ** t)
+    v = st["exp_avg_sq"].double() / (1 - b2 ** t)
+    vg_raw = (m * m + (v - m * m).clamp_min(0) / world) * (1 - b2 ** t)
+    grad = p.grad.double() + (0.0 if group.get("decoupled_weight_decay") else group["weight_decay"]) * saved_p.double()
+    with torch.no_grad():
+        p.copy_(saved_p)
+    opt.state[p] = saved_state
+    opt.state[p]["exp_avg_sq"].copy_(((vg_raw - (1 - b2) * grad * grad) / b2).float())
+    opt.step()
+    return got, (saved_p - p.detach()).double()
+
+
+@pytest.mark.parametrize("cls,kw", [(torch.optim.Adam, {}), (torch.optim.AdamW, dict(weight_decay=0.1)),
+                                    (torch.optim.NAdam, {}), (torch.optim.NAdam, dict(weight_decay=0.1)),
+                                    (torch.optim.NAdam, dict(weight_decay=0.1, decoupled_weight_decay=True)),
+                                    (torch.optim.RAdam, {}), (torch.optim.RAdam, dict(weight_decay=0.1)),
+                                    (torch.optim.RAdam, dict(weight_decay=0.1, decoupled_weight_decay=True))])
+@pytest.mark.parametrize("world", [2, 8])
+def test_rescaled_step_is_the_optimizers_own_step_with_the_global_second_moment(cls, kw, world):
+    got, want = _substituted_step(cls, 12, world, **kw)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=2e-3, atol=1e-7)
+    assert second_moment.applies(cls([torch.nn.Parameter(torch.zeros(1))]))
+
+
+def test_radam_before_its_rectification_is_not_rescaled():
+    got, _ = _substituted_step(torch.optim.RAdam, 3, 2)     # rho_t <= 5: RAdam's step does not divide by v
+    assert got is None
+    q = torch.nn.Parameter(torch.randn(4))
+    nadam = torch.optim.NAdam([q])
+    q.grad = torch.ones(4)
+    nadam.step()
+    with pytest.raises(ValueError, match="from its change"):
+        second_moment.step_excess(q, nadam.state[q], nadam.param_groups[0], 2, "nadam")
 
 
 def test_global_exp_avg_sq_matches_reference_and_keeps_state():
@@ -130,7 +188,7 @@ def _train(how):
         model.w = w
         opt = gradshare.ParameterAveraging(model, inner, frequency=4, compression=gradshare.Dense())
         if how == "local_own":
-            opt._to_global_batch = lambda: None
+            opt._to_global_batch = lambda before=None: None
     for step in range(STEPS):
         parts = [_data(step, r, 2) for r in range(2)] if how == "global" else [_data(step, rank, world)]
         x, y = torch.cat([a for a, _ in parts]), torch.cat([b for _, b in parts])

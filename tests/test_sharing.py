@@ -347,9 +347,18 @@ def test_default_compression_follows_the_optimizer():
         def step(self, closure=None):
             pass
 
-    gradshare.compression._warned.discard("Unknown")
-    with pytest.warns(UserWarning, match="Unknown is not an optimizer gradshare knows"):
-        assert isinstance(SharedOptimizer(Unknown([w])).compression, Ternary)
+    for front in (lambda: SharedOptimizer(Unknown([w])).compression,
+                  lambda: ThresholdState(optimizer=Unknown([w])).sharing.compression):
+        gradshare.compression._warned.discard("Unknown")
+        with pytest.warns(UserWarning, match="Unknown is not an optimizer gradshare knows") as caught:
+            assert isinstance(front(), Ternary)
+        assert caught[0].filename == __file__       # the warning names the user's line, not gradshare's
+    # Rprop's steps span decades (TopK); Adafactor divides by a second moment (Ternary, no warning)
+    assert isinstance(SharedOptimizer(torch.optim.Rprop([w])).compression, TopK)
+    if hasattr(torch.optim, "Adafactor"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert isinstance(SharedOptimizer(torch.optim.Adafactor([w])).compression, Ternary)
 
 
 def test_explicit_compression_and_legacy_names():

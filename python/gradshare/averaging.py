@@ -127,8 +127,9 @@ class ParameterAveraging(WrappedOptimizer):
         if self.sharing is not None and not self._round_open:
             self.sharing.begin_updates()
             self._round_open = True
+        before = self._before_step()
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-        self._to_global_batch()
+        self._to_global_batch(before)
         self.step_count += 1
         self.dense_bytes += ring_allreduce_bytes(self.world_size, self._param_count)
         self.last_averaged = self.due(self.step_count)
@@ -137,15 +138,23 @@ class ParameterAveraging(WrappedOptimizer):
         return loss
 
     @torch.no_grad()
-    def _to_global_batch(self) -> None:
+    def _before_step(self) -> Optional[Dict[int, torch.Tensor]]:
+        """The parameters before an inner step, where rescaling that step needs its change (NAdam, RAdam)."""
+        if self.world_size <= 1 or not second_moment.needs_change(self.optimizer):
+            return None
+        return {id(p): p.detach().clone() for g in self.optimizer.param_groups for p in g["params"]}
+
+    @torch.no_grad()
+    def _to_global_batch(self, before: Optional[Dict[int, torch.Tensor]] = None) -> None:
         """The inner step just taken made the step an Adam on the global batch would take (module docstring)."""
-        world = self.world_size
-        if world <= 1 or not second_moment.applies(self.optimizer):
+        world, kind = self.world_size, second_moment.kind(self.optimizer)
+        if world <= 1 or kind is None:
             return
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 st = self.optimizer.state.get(p)
-                excess = second_moment.step_excess(p, st, group, world) if st else None
+                change = None if before is None else before[id(p)] - p.detach()
+                excess = second_moment.step_excess(p, st, group, world, kind, change) if st else None
                 if excess is not None:
                     p.sub_(excess.to(p.dtype))
 

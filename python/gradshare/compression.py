@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import sys
 import warnings
 from typing import Any, Dict, Optional, Union
 
@@ -252,9 +254,12 @@ class Dense(Compression):
 
 
 # --------------------------------------------------------------------------------------- the default
-SGD_LIKE = (torch.optim.SGD, torch.optim.ASGD)
+# TopK for optimizers whose steps differ in size from entry to entry (Rprop's step sizes range over decades);
+# Ternary for those that divide by a second-moment estimate, whose entries are of similar size.
+SGD_LIKE = (torch.optim.SGD, torch.optim.ASGD, torch.optim.Rprop)
 ADAPTIVE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
-            torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop)
+            torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop) + (
+            (torch.optim.Adafactor,) if hasattr(torch.optim, "Adafactor") else ())
 _warned: set = set()
 
 
@@ -271,8 +276,18 @@ def for_optimizer(optimizer: Optional[torch.optim.Optimizer]) -> Compression:
         warnings.warn(f"gradshare: {name} is not an optimizer gradshare knows; assuming its updates are like "
                       "Adam's (entries of similar size) and sharing them ternary-coded, 16x smaller than float32. "
                       "Pass compression=gradshare.TopK(...) or gradshare.Ternary(...) to choose.",
-                      UserWarning, stacklevel=3)
+                      UserWarning, stacklevel=_caller_outside_gradshare())
     return Ternary()
+
+
+def _caller_outside_gradshare() -> int:
+    """The ``stacklevel`` (for a warning raised by this module's caller) of the first frame outside the
+    gradshare package, so that the warning names the user's line whichever front end built the sharing."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def as_compression(value: Union[Compression, Threshold, float, str, None],

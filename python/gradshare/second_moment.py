@@ -28,8 +28,13 @@ batch's (:func:`to_global`) before the first all-reduce step, and back to a rank
 the inverse) before the first step on local gradients. Reading a global second moment as a rank's own
 would divide its variance by W again at every round.
 
-Applies to torch.optim.Adam and AdamW (amsgrad: the running maximum is the v used). Other adaptive
-optimizers share their steps as they are.
+Applies to torch.optim.Adam and AdamW (amsgrad: the running maximum is the v used), whose step is
+lr * m / (sqrt(v) + eps) exactly, and to NAdam and RAdam, which divide their step by the same sqrt(v) + eps
+(RAdam: eps / sqrt(1 - beta2^t), and only once its rectification is on): there the part of this step's
+change that the division scaled (all of it but decoupled weight decay) is multiplied by
+(sqrt(v) + eps) / (sqrt(v_global) + eps). Other adaptive optimizers (Adamax's infinity norm, RMSprop,
+Adagrad and Adadelta, which keep no first moment, Adafactor's factored moments) share their steps as
+they are.
 """
 from __future__ import annotations
 
@@ -39,12 +44,29 @@ import torch
 
 from gradshare.optimizer_state import state_tensors
 
-CORRECTED = (torch.optim.Adam, torch.optim.AdamW)
+CORRECTED = (torch.optim.Adam, torch.optim.AdamW)     # the step from the moments alone
+RESCALED = (torch.optim.NAdam, torch.optim.RAdam)      # this step's change, rescaled (needs the change)
 
 
 def applies(optimizer: Optional[torch.optim.Optimizer]) -> bool:
     """Whether ``optimizer``'s steps are rescaled to the global batch's second moment."""
-    return isinstance(optimizer, CORRECTED)
+    return isinstance(optimizer, CORRECTED + RESCALED)
+
+
+def kind(optimizer: Optional[torch.optim.Optimizer]) -> Optional[str]:
+    """How :func:`step_excess` treats ``optimizer``'s steps: "adam", "nadam", "radam" or None (not at all)."""
+    if isinstance(optimizer, CORRECTED):
+        return "adam"
+    if isinstance(optimizer, torch.optim.NAdam):
+        return "nadam"
+    if isinstance(optimizer, torch.optim.RAdam):
+        return "radam"
+    return None
+
+
+def needs_change(optimizer: Optional[torch.optim.Optimizer]) -> bool:
+    """Whether :func:`step_excess` needs the step's change (before - after) for ``optimizer``."""
+    return isinstance(optimizer, RESCALED)
 
 
 def _moments(state: Dict[str, Any], group: Dict[str, Any]) -> Optional[Tuple[torch.Tensor, torch.Tensor, float]]:
@@ -69,22 +91,40 @@ def _global(m: torch.Tensor, v: torch.Tensor, world: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def step_excess(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], world: int) -> Optional[torch.Tensor]:
+def step_excess(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], world: int, kind: str = "adam",
+                change: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """How far the step this rank's optimizer just took on ``p`` falls short of the global-batch step, as a
-    float32 tensor shaped like ``p``: lr * m * (1/(sqrt(v_global) + eps) - 1/(sqrt(v) + eps)). Subtract it
-    from ``p`` (or add it to the change before - after) to take the global-batch step. None when there is
-    nothing to correct (one rank, no step yet, a parameter without a gradient, which the optimizer did not
-    step, or a state this rule does not cover)."""
+    float32 tensor shaped like ``p``. Subtract it from ``p`` (or add it to the change before - after) to take
+    the global-batch step. ``kind`` (:func:`kind`): "adam": lr * m * (1/(sqrt(v_global) + eps) - 1/(sqrt(v) +
+    eps)); "nadam" / "radam": the step's ``change`` (before - after, shaped like ``p``, taken while ``p``
+    holds the after), less decoupled weight decay, times (sqrt(v) + eps) / (sqrt(v_global) + eps) - 1. None
+    when there is nothing to correct (one rank, no step yet, a parameter without a gradient, which the
+    optimizer did not step, RAdam before its rectification, or a state this rule does not cover)."""
     if world <= 1 or p.grad is None:
         return None
     mv = _moments(state, group)
     if mv is None:
         return None
-    m, v, _ = mv
+    m, v, t = mv
     lr, eps = float(group["lr"]), float(group["eps"])
-    wide = _global(m, v, world).sqrt_().add_(eps).reciprocal_()
-    narrow = v.sqrt_().add_(eps).reciprocal_()
-    return wide.sub_(narrow).mul_(m).mul_(lr).view_as(p)
+    if kind == "adam":
+        wide = _global(m, v, world).sqrt_().add_(eps).reciprocal_()
+        narrow = v.sqrt_().add_(eps).reciprocal_()
+        return wide.sub_(narrow).mul_(m).mul_(lr).view_as(p)
+    if change is None:
+        raise ValueError(f"second moment: a {kind} step is rescaled from its change; none was given")
+    b2 = float(group["betas"][1])
+    if kind == "radam":
+        rho_inf = 2.0 / (1.0 - b2) - 1.0
+        if rho_inf - 2.0 * t * b2 ** t / (1.0 - b2 ** t) <= 5.0:    # not rectified yet: no division by v
+            return None
+        eps = eps / (1.0 - b2 ** t) ** 0.5                            # RAdam adds eps before bias correction
+    adaptive = change.detach().float().reshape(-1).clone()
+    wd = float(group.get("weight_decay", 0.0))
+    if wd and group.get("decoupled_weight_decay", False):           # p *= 1 - lr * wd came first, undivided
+        adaptive.sub_(torch.add(p.detach().float().reshape(-1), adaptive), alpha=lr * wd)
+    ratio = v.sqrt().add_(eps).div_(_global(m, v, world).sqrt_().add_(eps)).sub_(1.0)
+    return adaptive.mul_(ratio.reshape(-1)).view_as(p)
 
 
 def _converted(state: Dict[str, Any], group: Dict[str, Any], factor: float) -> Optional[torch.Tensor]:
@@ -114,12 +154,14 @@ def groups_of(optimizer: torch.optim.Optimizer) -> Dict[int, Dict[str, Any]]:
 
 def to_global(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor],
               world: int) -> Iterable[Tuple[torch.Tensor, torch.Tensor]]:
-    """(source, destination) pairs of the per-element state tensors of ``params`` to average across ranks
-    before steps on the all-reduced gradient: the destination is the optimizer's tensor, the source what
-    this rank contributes (for Adam's ``exp_avg_sq``, :func:`global_exp_avg_sq`; otherwise the tensor)."""
+    """(source, destination) pairs of the state tensors of ``params`` to average across ranks before steps on
+    the all-reduced gradient: every floating tensor with a dimension, per element or not (Adafactor's factored
+    row and column moments too: a state left unaveraged would make the ranks step differently on the same
+    gradient). The destination is the optimizer's tensor, the source what this rank contributes (for Adam's
+    ``exp_avg_sq``, :func:`global_exp_avg_sq`; otherwise the tensor)."""
     fix = applies(optimizer) and world > 1
     groups = groups_of(optimizer) if fix else {}
-    for key, p, t in state_tensors(optimizer, params):
+    for key, p, t in state_tensors(optimizer, params, per_element=False):
         src = global_exp_avg_sq(optimizer.state[p], groups[id(p)], world) if fix and key == "exp_avg_sq" else None
         yield (t if src is None else src), t
 

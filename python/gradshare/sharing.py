@@ -588,10 +588,10 @@ class Sharing:
     def _to_global_batch(self, b: Bucket, delta: torch.Tensor, groups: Dict[int, Dict[str, Any]]) -> None:
         """This rank's change in ``delta`` (before - after) made the step an Adam on the global batch would
         take (gradshare.second_moment)."""
-        world = self.world_size
+        world, kind = self.world_size, second_moment.kind(self.optimizer)
         for p, view in b.views(delta):
             st = self.optimizer.state.get(p)
-            excess = second_moment.step_excess(p, st, groups[id(p)], world) if st else None
+            excess = second_moment.step_excess(p, st, groups[id(p)], world, kind, view) if st else None
             if excess is not None:
                 view.add_(excess)
 
