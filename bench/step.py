@@ -27,12 +27,14 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-CONTENDERS = ("ddp", "gradshare", "gradshare_optimizer", "gradshare_hook_gradients")
+CONTENDERS = ("ddp", "gradshare", "gradshare_optimizer", "gradshare_hook_gradients", "gradshare_hook_momentum")
 DESCRIPTIONS = {
     "ddp": "DDP allreduce",
     "gradshare": "DDP + threshold_hook, ThresholdState(optimizer=opt) (updates shared; the README's one line)",
     "gradshare_optimizer": "SharedOptimizer(opt) (updates shared)",
     "gradshare_hook_gradients": "DDP + threshold_hook, ThresholdState() (gradients shared)",
+    "gradshare_hook_momentum": "DDP + threshold_hook, ThresholdState(momentum=0.9), SGD without momentum "
+                               "(gradients shared; Deep Gradient Compression's momentum correction)",
 }
 
 
@@ -65,11 +67,13 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
                                      **sharing_kwargs())
             return model, opt
         ddp = torch.nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.0 if name == "gradshare_hook_momentum" else 0.9)
         if name == "gradshare":
             ddp.register_comm_hook(gs.ThresholdState(optimizer=opt, **sharing_kwargs()), gs.threshold_hook)
         elif name == "gradshare_hook_gradients":
             ddp.register_comm_hook(gs.ThresholdState(**sharing_kwargs()), gs.threshold_hook)
+        elif name == "gradshare_hook_momentum":
+            ddp.register_comm_hook(gs.ThresholdState(momentum=0.9, **sharing_kwargs()), gs.threshold_hook)
         return ddp, opt
 
     medians = {}
