@@ -66,6 +66,20 @@ def test_calibrates_then_keeps_the_faster():
     assert link.choice == ALLREDUCE and modes[8:] == [ALLREDUCE] * 2
 
 
+def test_short_steps_are_measured_for_min_seconds():
+    # 5 ms steps: each choice is timed until its steps add up to 0.1 s (20 steps), at most 16 of them
+    link, modes = _alone({ALLREDUCE: 0.005, COMPRESSED: 0.003}, 40)
+    assert modes[:35] == [ALLREDUCE] * 17 + [COMPRESSED] * 17 + [COMPRESSED]
+    assert link.choice == COMPRESSED and link.decisions == 1
+    link, modes = _alone({ALLREDUCE: 0.04, COMPRESSED: 0.035}, 12)  # 40 ms: 3 timed all-reduce steps cover 0.1 s
+    assert modes[:10] == [ALLREDUCE] * 4 + [COMPRESSED] * 5 + [ALLREDUCE]
+    assert link.choice == ALLREDUCE                                  # 0.035 * 1.25 > 0.04
+    link, modes = _alone({ALLREDUCE: 0.005, COMPRESSED: 0.003}, 10, min_seconds=0)
+    assert modes[:8] == [ALLREDUCE] * 3 + [COMPRESSED] * 5
+    with pytest.raises(ValueError, match="min_seconds"):
+        LinkAware(min_seconds=-1)
+
+
 def test_a_clear_loser_is_measured_for_two_steps_only():
     link, modes = _alone({ALLREDUCE: 10.0, COMPRESSED: 30.0}, 8)
     assert modes == [ALLREDUCE] * 3 + [COMPRESSED] * 3 + [ALLREDUCE] * 2

@@ -51,7 +51,9 @@ class LinkAware:
 
     The run starts with ``calibration_steps`` steps by all-reduce (the first untimed), then measures
     compression for up to ``probe_steps`` steps (after one untimed step: a switch's own cost is not the
-    link's) and decides. A measurement stops early once the measured choice is ``clear_loss`` times slower
+    link's) and decides. A measurement of either choice goes on past those steps, up to 16 timed steps,
+    until its timed steps add up to ``min_seconds``: steps of a few milliseconds vary from one to the next by
+    more than the margin, and a few of them would decide by chance. A measurement stops early once the measured choice is ``clear_loss`` times slower
     than the other, judged on two timed steps at least (one could hold a pause of the user's loop): on a slow
     link the all-reduce is looked at for three steps, not five.
 
@@ -62,6 +64,7 @@ class LinkAware:
         clear_loss: a measurement ends as soon as its choice is this many times slower.
         overhead: the largest fraction of the run spent re-measuring the slower choice (2%: a fast link is
             where the all-reduce wins, and there gradshare's step should cost what DDP's does).
+        min_seconds: the least time a measurement of a choice covers (up to 16 timed steps).
         min_interval, max_interval: bounds on the steps between two measurements of the slower choice.
         check_every: on the all-reduce, the steps between two agreements of its recent step time.
         clock: seconds, monotonic (time.perf_counter).
@@ -73,7 +76,8 @@ class LinkAware:
 
     def __init__(self, margin: float = 0.25, probe_steps: int = 4, overhead: float = 0.02,
                  min_interval: int = 50, max_interval: int = 5000, calibration_steps: int = 3,
-                 clear_loss: float = 2.0, check_every: int = 10, clock: Callable[[], float] = time.perf_counter):
+                 clear_loss: float = 2.0, check_every: int = 10, min_seconds: float = 0.1,
+                 clock: Callable[[], float] = time.perf_counter):
         if not (0 <= float(margin) < 1):
             raise ValueError(f"margin: expected a value in [0, 1), got {margin}")
         for name, v, low in (("probe_steps", probe_steps, 1), ("calibration_steps", calibration_steps, 2),
@@ -82,6 +86,8 @@ class LinkAware:
                 raise ValueError(f"{name}: expected an int >= {low}, got {v!r}")
         if not (0 < float(overhead) < 1):
             raise ValueError(f"overhead: expected a value in (0, 1), got {overhead}")
+        if not (0 <= float(min_seconds) < math.inf):
+            raise ValueError(f"min_seconds: expected a finite value >= 0, got {min_seconds}")
         if not float(clear_loss) > 1 + float(margin):
             raise ValueError(f"clear_loss: expected a value above 1 + margin, got {clear_loss}")
         if not (1 <= int(min_interval) <= int(max_interval)):
@@ -89,6 +95,7 @@ class LinkAware:
         self.margin, self.probe_steps, self.overhead = float(margin), probe_steps, float(overhead)
         self.calibration_steps, self.clear_loss, self.check_every = calibration_steps, float(clear_loss), check_every
         self.min_interval, self.max_interval = int(min_interval), int(max_interval)
+        self.min_seconds = float(min_seconds)
         self.clock = clock
         self.steps = 0                      # steps ended (every rank counts the same ones)
         self.choice: Optional[str] = None   # what was decided (None: not yet)
@@ -137,6 +144,8 @@ class LinkAware:
             self._schedule(self._agree(agree))
         elif self.plan:
             self.plan.popleft()
+            if timed and (not self.plan or self.plan[0] != mode) and self._too_short(mode, agree):
+                self.plan.appendleft(mode)          # one more step of it before the measurement ends
             if not self.plan:
                 self._decide(self._agree(agree))
             elif timed and mode == self.probing and len(self._samples[mode]) >= 2:
@@ -150,6 +159,14 @@ class LinkAware:
             self._samples[other].clear()            # its earlier times are stale: the link may have changed
             self.plan.extend([other] * (self.probe_steps + 1))
             self.probing = other
+
+    def _too_short(self, mode: str, agree: Callable[[List[float]], List[float]]) -> bool:
+        """Whether ``mode``'s timed steps cover less than ``min_seconds`` (agreed: the count is the same on
+        every rank, the median the slowest rank's) and there is room for another sample."""
+        n = len(self._samples[mode])
+        if n >= self._samples[mode].maxlen or self.min_seconds <= 0:
+            return False
+        return self._agree(agree)[mode] * n < self.min_seconds
 
     def _probe_due(self, agree: Callable[[List[float]], List[float]]) -> bool:
         """Whether the slower choice is measured again now: its time has come, or (on the all-reduce) the
@@ -195,7 +212,8 @@ class LinkAware:
         elif win is not None and lose is not None and math.isfinite(lose):
             other = ALLREDUCE if self.choice == COMPRESSED else COMPRESSED
             into, back = agreed["first"][other] or lose, agreed["first"][self.choice] or win
-            timed = 2 if lose > self.clear_loss * win else self.probe_steps
+            timed = 2 if lose > self.clear_loss * win else min(16, max(self.probe_steps,
+                                                                      math.ceil(self.min_seconds / lose)))
             cost = max(0.0, into - win) + timed * max(0.0, lose - win) + max(0.0, back - win)
             interval = math.ceil(cost / (self.overhead * win)) if win > 0 else self.max_interval
         else:
@@ -222,7 +240,7 @@ class LinkAware:
         return {"margin": self.margin, "probe_steps": self.probe_steps, "overhead": self.overhead,
                 "min_interval": self.min_interval, "max_interval": self.max_interval,
                 "calibration_steps": self.calibration_steps, "clear_loss": self.clear_loss,
-                "check_every": self.check_every}
+                "check_every": self.check_every, "min_seconds": self.min_seconds}
 
     def state_dict(self) -> Dict[str, Any]:
         return {"steps": self.steps, "choice": self.choice, "plan": list(self.plan), "next_probe": self.next_probe,
