@@ -16,7 +16,7 @@ writes one int32 message per rank and step (gradshare.message):
 - ``Dense()``: everything, summed by one float32 all-reduce (the exchange's dense path); nothing is held
   back. For exchanges that are rare already (ParameterAveraging's pseudo-gradient, DiLoCo).
 
-``for_optimizer(opt)`` is the default choice: ``TopK`` for SGD-like optimizers, ``Ternary`` for
+``for_optimizer(opt)`` is the default choice: ``TopK`` for SGD-like optimizers (and Rprop), ``Ternary`` for
 adaptive ones (Adam, AdamW, RMSprop, ...) and, with a warning, for optimizers gradshare does not know.
 How these were chosen (measured): README, "Training quality".
 
