@@ -162,3 +162,55 @@ def test_a_compiled_ddp_model_shares_as_the_eager_one():
     compiled = run_local(_compiled_or_eager, 2, (True,), threads=1, timeout=300)
     assert eager[0][1] == compiled[0][1] == 20                  # every step went through the hook
     assert np.array_equal(eager[0][0], compiled[0][0]) and np.array_equal(compiled[0][0], compiled[1][0])
+
+
+# -- DDP's own options and gradient accumulation with no_sync(): the hook works wherever plain DDP does ------
+class _Branchy(nn.Module):
+    def __init__(self, unused):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 10)
+        self.unused = nn.Linear(64, 10) if unused else None     # never used: needs find_unused_parameters
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _ddp_option_run(ddp_kw, accumulate, sharing):
+    import contextlib
+
+    import gradshare
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    model = _Branchy(unused=ddp_kw.get("find_unused_parameters", False))
+    ddp = DDP(model, **ddp_kw)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    state = {"ddp": None,
+             "dense_gradients": lambda: ThresholdState(compression=gradshare.Dense()),
+             "updates": lambda: ThresholdState(optimizer=opt, link=None)}[sharing]
+    if state is not None:
+        state = state()
+        ddp.register_comm_hook(state, threshold_hook)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(12):
+        opt.zero_grad()
+        for m in range(accumulate):
+            with ddp.no_sync() if m < accumulate - 1 else contextlib.nullcontext():
+                x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+                F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    verify_replicas(model)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
+    return flat, None if state is None else state.sharing.step
+
+
+@pytest.mark.parametrize("ddp_kw,accumulate", [({}, 3), ({"gradient_as_bucket_view": True}, 2),
+                                               ({"find_unused_parameters": True}, 1), ({"static_graph": True}, 1)])
+def test_ddp_options_and_no_sync_accumulation(ddp_kw, accumulate):
+    ddp = run_local(_ddp_option_run, 2, (ddp_kw, accumulate, "ddp"), threads=1, timeout=300)[0][0]
+    # nothing compressed, gradients averaged by the hook: DDP's result bit for bit (2 ranks)
+    dense = run_local(_ddp_option_run, 2, (ddp_kw, accumulate, "dense_gradients"), threads=1, timeout=300)
+    assert np.array_equal(dense[0][0], ddp) and dense[0][1] == 12
+    # the defaults, compressed every step: one shared step per optimizer step, replicas identical
+    shared = run_local(_ddp_option_run, 2, (ddp_kw, accumulate, "updates"), threads=1, timeout=300)
+    assert shared[0][1] == shared[1][1] == 12 and np.array_equal(shared[0][0], shared[1][0])
+    assert not np.array_equal(shared[0][0], ddp) and np.abs(shared[0][0] - ddp).max() < 0.05
