@@ -130,9 +130,8 @@ class _TauEncoder:
         return None
 
     def encode(self, update, residual, step, kept=None, velocity=None):
-        v, m, v_out = velocity if velocity is not None else (None, 0.0, None)
         return ops.encode(update, residual, self.tau, clip=self.clip, format=self.format, on_nonfinite="flag",
-                          kept=kept, velocity=v, momentum=m, velocity_out=v_out)
+                          kept=kept, **ops.momentum_kwargs(velocity))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -85,14 +85,6 @@ class Compression:
         return f"{type(self).__name__}({args})"
 
 
-def _momentum_kwargs(velocity) -> Dict[str, Any]:
-    """The ops keywords of a fused momentum (velocity, m, velocity_out), or none."""
-    if velocity is None:
-        return {}
-    v, m, out = velocity
-    return {"velocity": v, "momentum": m, "velocity_out": out}
-
-
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
@@ -159,7 +151,7 @@ class TopK(Compression):
 
     def encode(self, update, residual, step, kept=None, velocity=None):
         return ops.encode_topk(update, residual, self.k(step), chunk=self.chunk, values=self.values, kept=kept,
-                               **_momentum_kwargs(velocity))
+                               **ops.momentum_kwargs(velocity))
 
     def config(self):
         return {"kind": "TopK", "density": self.density, "chunk": self.chunk, "warmup_steps": self.warmup_steps,
@@ -188,7 +180,7 @@ class Ternary(Compression):
 
     def encode(self, update, residual, step, kept=None, velocity=None):
         return ops.encode_ternary(update, residual, self.fraction, chunk=self.chunk, kept=kept,
-                                  **_momentum_kwargs(velocity))
+                                  **ops.momentum_kwargs(velocity))
 
     def config(self):
         return {"kind": "Ternary", "fraction": self.fraction, "chunk": self.chunk}
@@ -218,7 +210,7 @@ class Strom(Compression):
     def encode(self, update, residual, step, kept=None, velocity=None):
         clip = self.clipping.factor(step) if self.clipping is not None else None
         return ops.encode(update, residual, self.threshold.tau, clip=clip, on_nonfinite="flag", kept=kept,
-                          **_momentum_kwargs(velocity))
+                          **ops.momentum_kwargs(velocity))
 
     def observe(self, count: int, n: int, message_format: int) -> None:
         self.threshold.observe(count, n, message_format)

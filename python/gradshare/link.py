@@ -144,12 +144,15 @@ class LinkAware:
             self._schedule(self._agree(agree))
         elif self.plan:
             self.plan.popleft()
-            if timed and (not self.plan or self.plan[0] != mode) and self._too_short(mode, agree):
-                self.plan.appendleft(mode)          # one more step of it before the measurement ends
-            if not self.plan:
-                self._decide(self._agree(agree))
-            elif timed and mode == self.probing and len(self._samples[mode]) >= 2:
+            agreed = None                           # the ranks' times, agreed at most once a step
+            if timed and (not self.plan or self.plan[0] != mode) and self._room(mode):
                 agreed = self._agree(agree)
+                if agreed[mode] * len(self._samples[mode]) < self.min_seconds:
+                    self.plan.appendleft(mode)      # too little measured yet: one more step of it
+            if not self.plan:
+                self._decide(agreed or self._agree(agree))
+            elif timed and mode == self.probing and len(self._samples[mode]) >= 2:
+                agreed = agreed or self._agree(agree)
                 other = ALLREDUCE if mode == COMPRESSED else COMPRESSED
                 if agreed[mode] > self.clear_loss * agreed[other]:
                     self.plan.clear()               # a clear loser: no need to measure it further
@@ -160,13 +163,10 @@ class LinkAware:
             self.plan.extend([other] * (self.probe_steps + 1))
             self.probing = other
 
-    def _too_short(self, mode: str, agree: Callable[[List[float]], List[float]]) -> bool:
-        """Whether ``mode``'s timed steps cover less than ``min_seconds`` (agreed: the count is the same on
-        every rank, the median the slowest rank's) and there is room for another sample."""
-        n = len(self._samples[mode])
-        if n >= self._samples[mode].maxlen or self.min_seconds <= 0:
-            return False
-        return self._agree(agree)[mode] * n < self.min_seconds
+    def _room(self, mode: str) -> bool:
+        """Whether a measurement of ``mode`` may take another step to reach ``min_seconds`` (the timed steps'
+        count is the same on every rank; their time is compared once agreed, the slowest rank's)."""
+        return self.min_seconds > 0 and len(self._samples[mode]) < self._samples[mode].maxlen
 
     def _probe_due(self, agree: Callable[[List[float]], List[float]]) -> bool:
         """Whether the slower choice is measured again now: its time has come, or (on the all-reduce) the

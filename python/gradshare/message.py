@@ -68,7 +68,7 @@ def chunk_lengths(n: int, chunk: int) -> list:
 
 def topk_entries(n: int, chunk: int, k: int) -> int:
     """Entries of a top-k message: k per full chunk, ceil(k * len / chunk) for a shorter last one."""
-    full, rest = divmod(n, chunk)
+    full, rest = n // chunk, n % chunk  # not divmod: the fake kernels pass SymInts under torch.compile
     return full * k + ((k * rest + chunk - 1) // chunk if rest else 0)
 
 
@@ -81,7 +81,7 @@ def topk8_chunk_words(kc: int) -> int:
 
 
 def topk8_words(n: int, chunk: int, k: int) -> int:
-    full, rest = divmod(n, chunk)
+    full, rest = n // chunk, n % chunk  # not divmod: the fake kernels pass SymInts under torch.compile
     last = topk8_chunk_words((k * rest + chunk - 1) // chunk) if rest else 0
     return HEADER_WORDS + full * topk8_chunk_words(k) + last
 
@@ -96,7 +96,7 @@ def chunked_words(fmt: int, n: int, chunk: int, k: int) -> int:
 
 
 def ternary_words(n: int, chunk: int) -> int:
-    full, rest = divmod(n, chunk)
+    full, rest = n // chunk, n % chunk  # not divmod: the fake kernels pass SymInts under torch.compile
     return HEADER_WORDS + full * (1 + chunk // 16) + ((1 + (rest + 15) // 16) if rest else 0)
 
 

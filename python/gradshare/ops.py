@@ -318,6 +318,15 @@ def _run_encode(op, impl, into, update: torch.Tensor, residual: torch.Tensor, ke
     return msg
 
 
+def momentum_kwargs(velocity) -> dict:
+    """The keywords of a fused momentum given as one (velocity, m, velocity_out) tuple (None: none), for the
+    encoders below; the exchange and the compression policies pass it on this way."""
+    if velocity is None:
+        return {}
+    v, m, out = velocity
+    return {"velocity": v, "momentum": m, "velocity_out": out}
+
+
 def _check_velocity(velocity, momentum, velocity_out, update: torch.Tensor, residual: torch.Tensor,
                     kept: Optional[torch.Tensor]):
     """A fused momentum's (velocity, m, velocity_out), flat, or None when neither buffer is given."""
