@@ -19,6 +19,8 @@ For each n (float32) and density, times through the public gradshare.ops API:
     topk_momentum, ternary_momentum  the same with the momentum correction fused in (velocity=; TopK at its
                default density 2%); "naive" is gradshare's earlier three steps: the velocity update in torch,
                the encode, and the velocity zeroed where the decoded message is not 0
+    ternary_decode4  four Ternary messages (a 4-worker exchange) decoded into one buffer; "naive" unpacks
+               each message's codes in torch and adds them (8n + n/4 bytes a message)
     average4   mean of 4 buffers into a preallocated output (independent of density: once per n)
 
 Each op is compared, in the same run and interleaved repeat by repeat, with
@@ -142,6 +144,18 @@ def naive_ternary(update, residual, fraction, chunk, kept):
     scale = (a * sent).sum(dim=1, keepdim=True) / sent.sum(dim=1, keepdim=True).clamp(min=1)
     u.sub_(torch.sign(u) * scale * sent)
     return sent, scale
+
+
+def naive_ternary_decode(dst, rows, chunk):
+    """Every row's ternary codes unpacked in torch and added, row by row (n a multiple of ``chunk``)."""
+    shifts = torch.arange(16, device=rows.device, dtype=torch.int32)
+    for row in rows:
+        w = row[msgfmt.HEADER_WORDS:].view(-1, 1 + chunk // 16)
+        scale = w[:, :1].view(torch.float32).unsqueeze(-1)
+        codes = w[:, 1:].unsqueeze(-1)
+        present = ((codes >> shifts) & 1).bool()
+        negative = ((codes >> (shifts + 16)) & 1).bool()
+        dst.add_(torch.where(present, torch.where(negative, -scale, scale), 0.0).view(-1))
 
 
 def naive_average(bufs, out):
@@ -280,6 +294,21 @@ def bench_n(n: int, densities, device, repeats: int, warmup: int) -> list:
             m = nbytes // 12
             variants = {"fused": (nothing, fused), "naive": (nothing, naive), "membound": membound_variant(m, device)}
             rows.append(record(name.split("@")[0], n, d, None, nbytes, m, measure(timer, variants, repeats, warmup)))
+        # four ternary messages decoded into one buffer (a 4-worker exchange): each reads and writes the buffer
+        # and reads its codes, 8n + n/4 bytes
+        msgs = torch.stack([ops.encode_ternary(update, (torch.randn(n, generator=g) * TAU).to(device), 0.5,
+                                               chunk=chunk) for _ in range(4)])
+        dst, dst_naive = torch.zeros(n, device=device), torch.zeros(n, device=device)
+        ops.decode(dst, msgs)
+        naive_ternary_decode(dst_naive, msgs, chunk)
+        if not torch.equal(dst, dst_naive):
+            raise AssertionError(f"naive and fused ternary decode disagree at n={n}")
+        nbytes = 4 * (8 * n + n // 4)
+        variants = {"fused": (nothing, lambda: ops.decode(dst, msgs)),
+                    "naive": (nothing, lambda: naive_ternary_decode(dst_naive, msgs, chunk)),
+                    "membound": membound_variant(nbytes // 12, device)}
+        rows.append(record("ternary_decode4", n, None, None, nbytes, nbytes // 12,
+                           measure(timer, variants, repeats, warmup)))
     # averaging does not depend on the density
     bufs = [torch.rand(n, device=device) for _ in range(4)]
     out = torch.empty(n, device=device)

@@ -67,7 +67,7 @@ py::tuple encode(uintptr_t update, int32_t dtype, uintptr_t residual, uintptr_t 
 }
 
 // Top-k / 8-bit top-k (param = k) or ternary (param = fraction) encode, `format` the message format code;
-// returns (length, entries, first bad).
+// returns (length, entries, first bad); on CUDA -1 where not read back (kernels.h).
 py::tuple encode_chunked(int32_t format, uintptr_t update, int32_t dtype, uintptr_t residual, uintptr_t kept, int64_t n,
                          int64_t chunk, double param, uintptr_t out, int64_t capacity, bool cuda, uintptr_t stream,
                          uintptr_t velocity, float momentum, uintptr_t velocity_out) {

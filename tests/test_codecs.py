@@ -179,6 +179,27 @@ def test_decode_of_several_rows_matches_reference(kind, scale):
         assert_bits_equal(d1, d2)
 
 
+@pytest.mark.parametrize("kind", ["ternary", "bitmap"])
+def test_decode_leaves_what_a_message_does_not_send_bit_for_bit(kind):
+    # Code words are applied with masks over all 16 elements: an element not sent keeps its exact bits
+    # (-0.0, subnormals, NaN payloads), a sent one gets dst + v as the reference adds it.
+    n = 4099
+    g = torch.Generator().manual_seed(3)
+    update = torch.randn(n, generator=g)
+    update[::3] = 0.0                                      # never sent
+    msg = (ops.encode_ternary(update, torch.zeros(n), 0.5, chunk=64) if kind == "ternary"
+           else ops.encode(update, torch.zeros(n), 0.5, format="bitmap"))
+    dst = torch.randn(n, generator=g)
+    dst[::3] = -0.0
+    dst[1::9] = 1e-40                                      # subnormal
+    dst[2::27] = torch.tensor([0x7fc00123], dtype=torch.int32).view(torch.float32)  # a NaN with a payload
+    want = dst.clone()
+    R.decode(want, msg.view(1, -1), 1.0)
+    ops.decode(dst, msg)
+    assert_bits_equal(dst, want)
+    assert_bits_equal(dst[::3], torch.full((len(range(0, n, 3)),), -0.0))
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 3000), st.sampled_from([16, 48, 256, 1024]), st.floats(0.001, 1.0), st.integers(0, 2**31 - 1))
 def test_property_topk_error_feedback_is_exact(n, chunk, density, seed):

@@ -470,17 +470,59 @@ def test_topk_matches_cpu(n, chunk, k, dtype, kind):
 
 
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 31, 32, 33, 255, 4095, 4096, 4097, 3 * 4096 + 17, 2**20 + 7])
-@pytest.mark.parametrize("chunk", [16, 48, 4096])
+@pytest.mark.parametrize("chunk", [16, 48, 528, 4096, 65536])
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 2.0])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ternary_matches_cpu(n, chunk, fraction, dtype):
     chunked_both("ternary", *chunked_state(n, dtype, seed=n), fraction, chunk)
 
 
-def test_topk_equal_magnitudes_take_the_lowest_indices():
-    update = torch.ones(4096) * 0.5
+@pytest.mark.parametrize("n,chunk,k", [(4096, 4096, 100), (3 * 65536 + 100, 65536, 20000),
+                                       (2 * 65536, 65536, 65000)])
+@pytest.mark.parametrize("kind", ["topk", "topk8"])
+def test_topk_equal_magnitudes_take_the_lowest_indices(n, chunk, k, kind):
+    # the ties span the kernel's tiles of a chunk (4096 elements): the lowest indices across them win
+    update = torch.ones(n) * 0.5
     update[::7] = -0.5
-    chunked_both("topk", update, torch.zeros(4096), 100, 4096)
+    update[::1001] = 0.75
+    chunked_both(kind, update, torch.zeros(n), k, chunk)
+
+
+@pytest.mark.parametrize("every,k", [(30, 1000), (30, 3000), (17, 2000), (2, 10)])
+@pytest.mark.parametrize("kind", ["topk", "topk8"])
+def test_topk_ties_among_the_threshold_bins_elements(every, k, kind):
+    # The kernel resolves the bin of the k-th largest in shared memory when it holds few enough elements
+    # (here 65536 / every of them equal, among small values), else over the whole chunk (every = 2).
+    g = torch.Generator().manual_seed(every)
+    n = 2 * 65536 + 999
+    update = torch.randn(n, generator=g) * 0.01
+    update[::every] = 0.5
+    update[1::every * 3] = -0.5
+    chunked_both(kind, update, torch.zeros(n), k, 65536)
+
+
+@pytest.mark.parametrize("kind", ["topk", "topk8", "ternary"])
+def test_chunked_encode_does_not_wait_for_the_device(kind):
+    # The message length is fixed, so the host only queues work: with the stream held busy, the encode
+    # returns before it runs; the result is the same once it does.
+    update, residual = chunked_state(2**20 + 7)
+    u, r = gpu(update), gpu(residual)
+    torch.cuda.synchronize()
+    stream = torch.cuda.current_stream()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of device time ahead of the encode
+    if kind == "ternary":
+        msg = ops.encode_ternary(u, r, 0.5, chunk=65536)
+    else:
+        msg = ops.encode_topk(u, r, 655, chunk=65536, values="int8" if kind == "topk8" else "bf16")
+    assert not stream.query()
+    torch.cuda.synchronize()
+    r_cpu = residual.clone()
+    if kind == "ternary":
+        want = ops.encode_ternary(update, r_cpu, 0.5, chunk=65536)
+    else:
+        want = ops.encode_topk(update, r_cpu, 655, chunk=65536, values="int8" if kind == "topk8" else "bf16")
+    assert_bits_equal(msg, want)
+    assert_bits_equal(r, r_cpu)
 
 
 @pytest.mark.parametrize("kind", ["topk", "topk8", "ternary"])
@@ -576,3 +618,4 @@ def test_fused_momentum_matches_cpu(kind, dtype, n, in_place):
         outs.append((msg, r if in_place else kept, new_v))
     for a, b in zip(*outs):
         assert_bits_equal(b, a)
+

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <functional>
 #include <vector>
+#include "cpu/code_word.h"
 #include "cpu/parallel.h"
 #include "gradshare/kernels.h"
 
@@ -295,10 +296,6 @@ inline float lane_abs_sum(const float* u, int64_t len, const uint8_t* keep) {
   }
   return lane_tree(acc);
 }
-
-// Bit b of a code word, as a table: AND-and-compare vectorises where per-lane variable shifts do not (SSE2).
-alignas(64) constexpr uint32_t kBit[16] = {1u << 0, 1u << 1, 1u << 2, 1u << 3, 1u << 4, 1u << 5, 1u << 6, 1u << 7,
-                                           1u << 8, 1u << 9, 1u << 10, 1u << 11, 1u << 12, 1u << 13, 1u << 14, 1u << 15};
 
 // One code word: bit b present (sent[b]), bit b + 16 negative. Arithmetic, not branches: which elements are
 // sent is close to random, and a constant m = 16 unrolls into straight-line code.

@@ -1,6 +1,8 @@
 // Bounds-checked decoding (CPU): every message is validated in full before any element of dst is
 // touched, so a corrupt or hostile message raises and leaves dst exactly as it was.
+#include <algorithm>
 #include <string>
+#include "cpu/code_word.h"
 #include "cpu/parallel.h"
 #include "gradshare/kernels.h"
 
@@ -84,13 +86,8 @@ void apply_chunked(float* dst, const int32_t* msg, int64_t n, float scale) {
       continue;
     }
     const float v = bits_to_float(w[0]) * scale;
-    for (int64_t q = 0; q < (len + 15) / 16; ++q) {
-      const uint32_t x = static_cast<uint32_t>(w[1 + q]);
-      for (uint32_t present = x & 0xffffu; present != 0; present &= present - 1) {
-        const int b = lowest_bit(present);
-        d[q * 16 + b] += (x >> (b + 16)) & 1u ? -v : v;
-      }
-    }
+    for (int64_t q = 0; q < (len + 15) / 16; ++q)
+      add_code_word(d + q * 16, static_cast<uint32_t>(w[1 + q]), v, std::min<int64_t>(16, len - q * 16));
   }
 }
 
@@ -146,14 +143,8 @@ void apply(float* dst, const int32_t* msg, int64_t n, float scale) {
   }
   const int64_t words = bitmap_words(n);
   GS_PARALLEL_FOR(words >= kParallelMin / 16)
-  for (int64_t w = 0; w < words; ++w) {
-    const uint32_t x = static_cast<uint32_t>(p[w]);
-    float* d = dst + w * 16;
-    for (uint32_t present = x & 0xffffu; present != 0; present &= present - 1) {  // visit set bits only
-      const int b = lowest_bit(present);
-      d[b] += (x >> (b + 16)) & 1u ? -v : v;
-    }
-  }
+  for (int64_t w = 0; w < words; ++w)
+    add_code_word(dst + w * 16, static_cast<uint32_t>(p[w]), v, std::min<int64_t>(16, n - w * 16));
 }
 
 }  // namespace

@@ -4,8 +4,10 @@
 #pragma once
 #include <cuda_runtime.h>
 #include <cstdint>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace gs {
 namespace cuda {
@@ -66,21 +68,53 @@ class DeviceGuard {
   bool switched_ = false;
 };
 
-// Stream-ordered scratch memory (cudaMallocAsync), released on the same stream when it goes out of
-// scope, after every kernel already queued on the stream that uses it. Devices without memory pools
-// fall back to cudaMalloc, freed after the stream drains.
+// gradshare's own memory pool on the current device (created once, kept for the process), or null where the
+// device has no memory pools. Not the device's default pool: that one returns its memory to the system at every
+// synchronization (release threshold 0), so an encode that waits for its message length would map its scratch
+// anew on every call, which costs more than the kernels on small buffers; and its threshold is not ours to change.
+// This pool keeps up to kPoolKeep bytes between calls.
+constexpr uint64_t kPoolKeep = uint64_t(256) << 20;
+inline cudaMemPool_t scratch_pool() {
+  static std::mutex mu;
+  static std::vector<cudaMemPool_t> pools;  // per device; null: no pools
+  static std::vector<bool> made;
+  int dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  std::lock_guard<std::mutex> lock(mu);
+  if (static_cast<size_t>(dev) >= made.size()) {
+    pools.resize(dev + 1, nullptr);
+    made.resize(dev + 1, false);
+  }
+  if (!made[dev]) {
+    int supported = 0;
+    check(cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, dev), "cudaDeviceGetAttribute");
+    if (supported) {
+      cudaMemPoolProps props{};
+      props.allocType = cudaMemAllocationTypePinned;
+      props.location.type = cudaMemLocationTypeDevice;
+      props.location.id = dev;
+      check(cudaMemPoolCreate(&pools[dev], &props), "cudaMemPoolCreate");
+      uint64_t keep = kPoolKeep;
+      check(cudaMemPoolSetAttribute(pools[dev], cudaMemPoolAttrReleaseThreshold, &keep), "cudaMemPoolSetAttribute");
+    }
+    made[dev] = true;
+  }
+  return pools[dev];
+}
+
+// Stream-ordered scratch memory from scratch_pool(), released on the same stream when it goes out of scope,
+// after every kernel already queued on the stream that uses it. Devices without memory pools fall back to
+// cudaMalloc, freed after the stream drains.
 class Scratch {
  public:
   Scratch(size_t bytes, cudaStream_t stream) : stream_(stream) {
     if (!bytes) return;
-    const cudaError_t e = cudaMallocAsync(&p_, bytes, stream);
-    if (e == cudaErrorNotSupported) {
-      (void)cudaGetLastError();
-      p_ = nullptr;
+    const cudaMemPool_t pool = scratch_pool();
+    if (pool) {
+      check(cudaMallocFromPoolAsync(&p_, bytes, pool, stream), "cudaMallocFromPoolAsync");
+    } else {
       pooled_ = false;
       check(cudaMalloc(&p_, bytes), "cudaMalloc");
-    } else {
-      check(e, "cudaMallocAsync");
     }
   }
   ~Scratch() {

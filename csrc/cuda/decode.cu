@@ -83,19 +83,28 @@ __global__ void __launch_bounds__(kThreads) apply_bitmap_kernel(float* dst, cons
   }
 }
 
-// Top-k / ternary payloads: one thread per chunk; the first bad chunk and why, as atomicMin(chunk * 8 + why)
-// (the CPU's reasons: 1 entry index or value, 2 value * scale overflows, 3 scale, 4 code word), and the
-// ternary entry count.
+// Top-k / ternary payloads: one thread per item of a chunk (message.h's check_chunk_item: the scale, each entry
+// or code word, the padding), thread t = chunk * per_chunk + item. The first failing item of the message, as
+// atomicMin(t << 3 | why), so that the host reports the CPU's chunk and reason; and the ternary entry count.
 __global__ void __launch_bounds__(kThreads)
     check_chunked_kernel(const int32_t* p, int64_t n, int64_t chunk, int64_t k, int32_t format, float scale,
-                         unsigned long long* first_bad, unsigned long long* entries) {
-  const int64_t c = thread_index(), nch = (n + chunk - 1) / chunk;
-  if (c >= nch) return;
-  int64_t cnt = 0;
-  const int why = check_chunk(p + c * chunk_stride(format, chunk, k), format, k, chunk_len(n, chunk, c), chunk, scale,
-                              &cnt);
-  if (cnt) atomicAdd(entries, static_cast<unsigned long long>(cnt));
-  if (why) atomicMin(first_bad, static_cast<unsigned long long>(c) * 8 + why);
+                         int64_t per_chunk, unsigned long long* first_bad, unsigned long long* entries) {
+  using Reduce = cub::BlockReduce<int, kThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  const int64_t t = thread_index(), nch = (n + chunk - 1) / chunk;
+  int cnt = 0;
+  if (t < nch * per_chunk) {  // no early return: every thread joins the reduction
+    const int64_t c = t / per_chunk, item = t % per_chunk, len = chunk_len(n, chunk, c);
+    if (item < chunk_items(format, k, len, chunk)) {
+      const int32_t* w = p + c * chunk_stride(format, chunk, k);
+      const int why = check_chunk_item(w, format, k, len, chunk, scale, item);
+      if (why) atomicMin(first_bad, static_cast<unsigned long long>(t) << 3 | static_cast<unsigned long long>(why));
+      else if (format == kTernary && item > 0)
+        cnt = popcount16(static_cast<uint32_t>(w[item]));
+    }
+  }
+  const int block_entries = Reduce(tmp).Sum(cnt);
+  if (threadIdx.x == 0 && block_entries != 0) atomicAdd(entries, static_cast<unsigned long long>(block_entries));
 }
 
 // One thread per entry (entries of a message are distinct elements).
@@ -185,10 +194,11 @@ void decode_cuda(float* dst, int64_t n, const int32_t* msgs, int64_t num_msgs, i
     cuda::check(cudaMemsetAsync(entries, 0, size_t(checked) * sizeof(unsigned long long), s), "cudaMemsetAsync");
     for (int64_t m = 0; m < checked; ++m) {
       if (is_chunked(head(m)[1])) {
-        const int64_t nch = (n + head(m)[3] - 1) / head(m)[3];
-        if (nch == 0) continue;
-        check_chunked_kernel<<<cuda::blocks_for(nch, kThreads), kThreads, 0, s>>>(
-            payload(m), n, head(m)[3], head(m)[4], head(m)[1], scale, first_bad + m, entries + m);
+        const int64_t chunk = head(m)[3], nch = (n + chunk - 1) / chunk;
+        const int64_t per_chunk = chunk_items(head(m)[1], head(m)[4], chunk, chunk);  // a full chunk's: the most
+        if (nch * per_chunk == 0) continue;
+        check_chunked_kernel<<<cuda::blocks_for(nch * per_chunk, kThreads), kThreads, 0, s>>>(
+            payload(m), n, chunk, head(m)[4], head(m)[1], scale, per_chunk, first_bad + m, entries + m);
         cuda::check_launch("check_chunked_kernel");
       } else if (head(m)[1] == kSparse) {
         const int64_t count = head(m)[3];
@@ -215,7 +225,9 @@ void decode_cuda(float* dst, int64_t n, const int32_t* msgs, int64_t num_msgs, i
       const int64_t count = head(m)[3];
       if (is_chunked(head(m)[1])) {
         if (h_bad[m] != cuda::kNone)
-          fail(m, "chunk " + std::to_string(h_bad[m] / 8) + " " + chunk_complaint(static_cast<int>(h_bad[m] % 8)));
+          fail(m, "chunk " + std::to_string(static_cast<int64_t>(h_bad[m] >> 3) /
+                                            chunk_items(head(m)[1], head(m)[4], head(m)[3], head(m)[3])) +
+                      " " + chunk_complaint(static_cast<int>(h_bad[m] & 7u)));
         if (head(m)[1] == kTernary && static_cast<int64_t>(h_entries[m]) != head(m)[4])
           fail(m, "ternary codes hold " + std::to_string(h_entries[m]) + " entries but the header says " +
                       std::to_string(head(m)[4]));

@@ -31,6 +31,8 @@ struct ChunkedResult {
   int64_t entries;          // entries sent (top-k: k_c summed; ternary: present bits)
   int64_t nonfinite_index;  // >= 0: out holds a non-finite marker and the residual is unchanged
 };
+// The CUDA encoders do not wait for the device (the length is fixed): their nonfinite_index is -1 and a ternary
+// message's entries -1; the header in `out` says both (a non-finite marker, or the entry count in word 4).
 
 // Momentum correction fused into an encode (Deep Gradient Compression). With `velocity` set, the encoder's
 // input is w = factor * velocity + update (element.h's velocity_step) instead of the update, and `out`

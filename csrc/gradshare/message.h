@@ -178,9 +178,6 @@ GS_HD bool topk_entry_ok(uint32_t w, int64_t prev_local, int64_t len) {
   return local < len && local > prev_local && exp != 0xffu;
 }
 
-// One chunk of a top-k or ternary payload (`w` its first word): 0 when sound, else why (the decoders'
-// complaints: 1 an entry's index or value, 2 a value times scale overflows, 3 the scale, 4 a code word).
-// Ternary chunks add their entries to *entries.
 GS_HD bool bitmap_word_ok(uint32_t w, int64_t word_index, int64_t n);
 GS_HD int popcount16(uint32_t x);
 GS_HD float bits_to_float(int32_t b);
@@ -192,41 +189,78 @@ GS_HD int topk8_value(const int32_t* w, int64_t kc, int64_t i) {
   return static_cast<int8_t>((static_cast<uint32_t>(w[1 + (kc + 1) / 2 + i / 4]) >> (8 * (i % 4))) & 0xffu);
 }
 
+// A chunk's validation runs over items, in this order: the scale (8-bit top-k, ternary), then each entry
+// (top-k) or code word (ternary), then the padding (8-bit top-k). Items are independent of one another (an
+// entry is compared with the one before it as written), so the first failing item is the same whether they
+// are checked in turn (the CPU) or all at once (the GPU: one thread per item).
+GS_HD int64_t chunk_items(int32_t format, int64_t k, int64_t len, int64_t chunk) {
+  if (format == kTopK) return topk_k(k, len, chunk);
+  if (format == kTopK8) return topk_k(k, len, chunk) + 2;
+  return 1 + (len + 15) / 16;
+}
+
+// The checks of one item, each returning 0 when sound, else why (the decoders' complaints: 1 an entry's index or
+// value, 2 a value times scale overflows, 3 the scale, 4 a code word). An entry is compared with the local index
+// of the one before it as written (`prev`, -1 for the first).
+constexpr float kMaxFinite = 3.4028234663852886e38f;
+GS_HD int64_t topk_local(const int32_t* w, int64_t i) { return static_cast<uint32_t>(w[i]) & 0xffffu; }
+GS_HD int topk_entry_why(const int32_t* w, int64_t i, int64_t prev, int64_t len, float scale) {  // prev: -1 first
+  const uint32_t e = static_cast<uint32_t>(w[i]);
+  if (!topk_entry_ok(e, prev, len)) return 1;
+  const float v = bits_to_float(static_cast<int32_t>(e & 0xffff0000u)) * scale;
+  return (v <= kMaxFinite && v >= -kMaxFinite) ? 0 : 2;
+}
+GS_HD int scale_why(const int32_t* w, float factor, float scale) {  // factor: 127 (8-bit top-k) or 1 (ternary)
+  const float sc = bits_to_float(w[0]), v = sc * factor * scale;
+  return (!(sc >= 0.0f && sc <= kMaxFinite) || !(v <= kMaxFinite && v >= -kMaxFinite)) ? 3 : 0;
+}
+GS_HD int topk8_entry_why(const int32_t* w, int64_t kc, int64_t i, int64_t prev, int64_t len) {
+  const int64_t local = topk8_index(w, i);
+  return (local >= len || local <= prev || topk8_value(w, kc, i) == -128) ? 1 : 0;
+}
+GS_HD int topk8_padding_why(const int32_t* w, int64_t kc) {  // unused halves and bytes must be zero
+  if ((kc % 2) && (static_cast<uint32_t>(w[1 + kc / 2]) >> 16) != 0) return 1;
+  if ((kc % 4) && (static_cast<uint32_t>(w[1 + (kc + 1) / 2 + kc / 4]) >> (8 * (kc % 4))) != 0) return 1;
+  return 0;
+}
+GS_HD int ternary_word_why(const int32_t* w, int64_t q, int64_t len) {
+  return bitmap_word_ok(static_cast<uint32_t>(w[1 + q]), q, len) ? 0 : 4;
+}
+
+// Item `item` of the chunk whose payload starts at `w`, in chunk_items' order (what a GPU thread checks).
+GS_HD int check_chunk_item(const int32_t* w, int32_t format, int64_t k, int64_t len, int64_t chunk, float scale,
+                           int64_t item) {
+  if (format == kTopK) return topk_entry_why(w, item, item ? topk_local(w, item - 1) : -1, len, scale);
+  if (format == kTopK8) {
+    const int64_t kc = topk_k(k, len, chunk), i = item - 1;
+    if (item == 0) return scale_why(w, 127.0f, scale);
+    return item <= kc ? topk8_entry_why(w, kc, i, i ? topk8_index(w, i - 1) : -1, len) : topk8_padding_why(w, kc);
+  }
+  return item == 0 ? scale_why(w, 1.0f, scale) : ternary_word_why(w, item - 1, len);
+}
+
+// One chunk, its items in turn: 0 when sound, else the first failing item's reason. Ternary chunks add their
+// entries to *entries.
 GS_HD int check_chunk(const int32_t* w, int32_t format, int64_t k, int64_t len, int64_t chunk, float scale,
                       int64_t* entries) {
-  constexpr float kMax = 3.4028234663852886e38f;
+  int why = 0;
+  if (format == kTopK) {
+    const int64_t kc = topk_k(k, len, chunk);
+    for (int64_t i = 0, prev = -1; i < kc; prev = topk_local(w, i), ++i)
+      if ((why = topk_entry_why(w, i, prev, len, scale))) return why;
+    return 0;
+  }
   if (format == kTopK8) {
     const int64_t kc = topk_k(k, len, chunk);
-    const float sc = bits_to_float(w[0]), big = sc * 127.0f * scale;
-    if (!(sc >= 0.0f && sc <= kMax) || !(big <= kMax && big >= -kMax)) return 3;
-    int64_t prev = -1;
-    for (int64_t i = 0; i < kc; ++i) {
-      const int64_t local = topk8_index(w, i);
-      if (local >= len || local <= prev || topk8_value(w, kc, i) == -128) return 1;
-      prev = local;
-    }
-    // unused halves and bytes must be zero
-    if ((kc % 2) && (static_cast<uint32_t>(w[1 + kc / 2]) >> 16) != 0) return 1;
-    if ((kc % 4) && (static_cast<uint32_t>(w[1 + (kc + 1) / 2 + kc / 4]) >> (8 * (kc % 4))) != 0) return 1;
-    return 0;
+    if ((why = scale_why(w, 127.0f, scale))) return why;
+    for (int64_t i = 0, prev = -1; i < kc; prev = topk8_index(w, i), ++i)
+      if ((why = topk8_entry_why(w, kc, i, prev, len))) return why;
+    return topk8_padding_why(w, kc);
   }
-  if (format == kTopK) {
-    int64_t prev = -1;
-    for (int64_t i = 0; i < topk_k(k, len, chunk); ++i) {
-      const uint32_t e = static_cast<uint32_t>(w[i]);
-      if (!topk_entry_ok(e, prev, len)) return 1;
-      const float v = bits_to_float(static_cast<int32_t>(e & 0xffff0000u)) * scale;
-      if (!(v <= kMax && v >= -kMax)) return 2;
-      prev = e & 0xffffu;
-    }
-    return 0;
-  }
-  const float sc = bits_to_float(w[0]), v = sc * scale;
-  if (!(sc >= 0.0f && sc <= kMax) || !(v <= kMax && v >= -kMax)) return 3;
+  if ((why = scale_why(w, 1.0f, scale))) return why;
   for (int64_t q = 0; q < (len + 15) / 16; ++q) {
-    const uint32_t x = static_cast<uint32_t>(w[1 + q]);
-    if (!bitmap_word_ok(x, q, len)) return 4;
-    *entries += popcount16(x);
+    if ((why = ternary_word_why(w, q, len))) return why;
+    *entries += popcount16(static_cast<uint32_t>(w[1 + q]));
   }
   return 0;
 }

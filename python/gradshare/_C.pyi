@@ -24,7 +24,8 @@ def encode_chunked(format: int, update: int, dtype: int, residual: int, kept: in
                    out: int, capacity: int, cuda: bool, stream: int, velocity: int = 0, momentum: float = 0.0,
                    velocity_out: int = 0) -> Tuple[int, int, int]:
     """Top-k or ternary per chunk of residual + update, what is not sent written to kept: (message words,
-    entries, first non-finite index). velocity, momentum, velocity_out: as for encode."""
+    entries, first non-finite index). On CUDA the call does not wait for the device: the index is -1 and a
+    ternary message's entries -1 (its header holds both). velocity, momentum, velocity_out: as for encode."""
 
 def decode(dst: int, n: int, msgs: int, num_msgs: int, row_words: int, scale: float, cuda: bool, stream: int) -> None:
     """Adds scale * each message row into dst (bounds-checked; raises MessageError on a bad message)."""

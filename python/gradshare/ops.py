@@ -406,7 +406,9 @@ def encode(update: ArrayLike, residual: ArrayLike, tau: float, *, clip: Optional
     vel = _check_velocity(velocity, momentum, velocity_out, update, residual, kept)
     out = _run_encode(_encode_op, _encode_impl, _encode_into, update.view(-1), residual.view(-1),
                       None if kept is None else kept.view(-1), tau, clip, msgfmt.FORMAT_CHOICES[format], velocity=vel)
-    if on_nonfinite == "raise" and int(out[1]) == NONFINITE:
+    # A marker is a bare header (so is a message that sends nothing): only then is the header read, which on a
+    # GPU is a device-to-host copy.
+    if on_nonfinite == "raise" and out.numel() == HEADER_WORDS and int(out[1]) == NONFINITE:
         raise NonFiniteError(int(out[3]))
     return out.cpu().numpy() if as_numpy else out
 
