@@ -147,6 +147,15 @@ def prefers_dense(max_words: int, n: int, world: int) -> bool:
 # The stages
 # ---------------------------------------------------------------------------------------------------
 
+def settle(device: torch.device) -> None:
+    """Waits for the work queued on ``device``'s current stream (nothing on a CPU). A CUDA collective's future
+    runs its callbacks with a side stream current, so what a callback queues there (the decode into the
+    result's buffer) would still be running when a plain future hands the buffer to a thread whose stream
+    knows nothing of it: every callback that produces a result for another thread settles first."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def all_gather_fn():
     """torch's all-gather into one flat tensor under its current name (every gradshare all-gather uses it)."""
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -528,13 +537,16 @@ def exchange_async(update: torch.Tensor, residual: torch.Tensor, tau: Optional[f
     result: torch.futures.Future = torch.futures.Future()
 
     def fail(e: BaseException) -> None:
+        settle(ex.device)
         if not result.done():
             result.set_exception(e)
 
     def on_payload(fut) -> None:
         try:
             fut.value()
-            result.set_result(ex.finish())
+            done = ex.finish()
+            settle(ex.device)
+            result.set_result(done)
         except BaseException as e:  # noqa: BLE001  (must complete the future whatever happens)
             fail(e)
 
@@ -567,6 +579,7 @@ def exchange_async(update: torch.Tensor, residual: torch.Tensor, tau: Optional[f
             else:
                 launched = True
                 ch.launch(ticket, None)
+                settle(ex.device)
                 result.set_result(skipped)
         except BaseException as e:  # noqa: BLE001
             if not launched:

@@ -367,15 +367,19 @@ def threshold_hook(state: ThresholdState, bucket: dist.GradBucket) -> torch.futu
             sh.abandon([x for x, _ in inflight])
             iteration.set_exception(e)
             raise
+        out = _rescaled(fut.value(), scale)
+        comm.settle(out.device)                   # queued on this callback's stream (comm.settle)
         iteration.set_result(None)
-        return _rescaled(fut.value(), scale)
+        return out
 
     return torch.futures.collect_all([f for _, f in inflight]).then(finish)
 
 
 def _after(done: torch.futures.Future, fut: torch.futures.Future, scale: Optional[float]) -> torch.Tensor:
     done.value()                                  # the step's error, if any bucket failed
-    return _rescaled(fut.value(), scale)
+    out = _rescaled(fut.value(), scale)
+    comm.settle(out.device)
+    return out
 
 
 def _rescaled(result, scale: Optional[float]) -> torch.Tensor:
