@@ -287,12 +287,12 @@ inline float lane_abs_sum(const float* u, int64_t len, const uint8_t* keep) {
     const float* x = u + r * kLanes;
     for (int l = 0; l < kLanes; ++l) {
       const float a = x[l] < 0.0f ? -x[l] : x[l];
-      acc[l] += KEEP ? (keep[r * kLanes + l] ? a : 0.0f) : a;
+      acc[l] += KEEP ? keep_or_zero(a, keep[r * kLanes + l]) : a;
     }
   }
   for (int64_t j = rows * kLanes; j < len; ++j) {
     const float a = u[j] < 0.0f ? -u[j] : u[j];
-    acc[j - rows * kLanes] += KEEP ? (keep[j] ? a : 0.0f) : a;
+    acc[j - rows * kLanes] += KEEP ? keep_or_zero(a, keep[j]) : a;
   }
   return lane_tree(acc);
 }
@@ -311,7 +311,7 @@ inline uint32_t code_word(const uint8_t* sent, const float* u, int64_t m) {
 
 // What a ternary element keeps: u minus +-scale where it was sent (x - 0.0f is x, so no branch on unsent).
 inline float ternary_kept(float u, bool sent, bool negative, float scale) {
-  return u - (sent ? (negative ? -scale : scale) : 0.0f);
+  return u - keep_or_zero(negated_if(scale, negative), sent);
 }
 
 template <int DT, bool MOM>
@@ -387,7 +387,7 @@ ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, const float*
       w[0] = float_to_bits(cnt ? lane_abs_sum<true>(u.data(), len, sent.data()) / static_cast<float>(cnt) : 0.0f);
       entries[c] = cnt;
       if (mo.velocity)
-        for (int64_t j = 0; j < len; ++j) mo.out[lo + j] = sent[j] ? 0.0f : mo.out[lo + j];  // factor masking
+        for (int64_t j = 0; j < len; ++j) mo.out[lo + j] = keep_or_zero(mo.out[lo + j], !sent[j]);  // factor masking
       if (direct) {
         const float scale = bits_to_float(w[0]);
         for (int64_t j = 0; j < len; ++j) kept[lo + j] = ternary_kept(u[j], sent[j], u[j] < 0.0f, scale);
