@@ -537,7 +537,10 @@ def exchange_async(update: torch.Tensor, residual: torch.Tensor, tau: Optional[f
     result: torch.futures.Future = torch.futures.Future()
 
     def fail(e: BaseException) -> None:
-        settle(ex.device)
+        try:
+            settle(ex.device)
+        except BaseException:  # noqa: BLE001  (the error being reported is the one that matters)
+            pass
         if not result.done():
             result.set_exception(e)
 
