@@ -22,13 +22,6 @@
 namespace gs {
 namespace {
 
-// The encoder's input at element i: the update or, with momentum (MOM), the new velocity m * v + update.
-template <int DT, bool MOM>
-inline float input_at(const void* update, const Momentum& mo, int64_t i) {
-  const float g = load_as_float(update, DT, i);
-  return MOM ? velocity_step(mo.velocity[i], mo.factor, g) : g;
-}
-
 // u = residual + input for one chunk into `u` (with momentum the input, the new velocity, into mo.out too);
 // returns the first non-finite local index or -1.
 template <int DT, bool MOM>

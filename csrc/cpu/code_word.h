@@ -12,10 +12,15 @@ namespace gs {
 alignas(64) constexpr uint32_t kBit[16] = {1u << 0, 1u << 1, 1u << 2, 1u << 3, 1u << 4, 1u << 5, 1u << 6, 1u << 7,
                                            1u << 8, 1u << 9, 1u << 10, 1u << 11, 1u << 12, 1u << 13, 1u << 14, 1u << 15};
 
-// x where `keep`, else +0.0, by an integer mask: float selects do not vectorise here (SSE2), masks do.
-inline float keep_or_zero(float x, bool keep) {
-  return bits_to_float(static_cast<int32_t>(static_cast<uint32_t>(float_to_bits(x)) & (0u - static_cast<uint32_t>(keep))));
+// `which` ? a : b, by integer masks on the bits: float selects do not vectorise here (SSE2), masks do.
+inline float pick(bool which, float a, float b) {
+  const uint32_t m = 0u - static_cast<uint32_t>(which);
+  return bits_to_float(static_cast<int32_t>((static_cast<uint32_t>(float_to_bits(a)) & m) |
+                                            (static_cast<uint32_t>(float_to_bits(b)) & ~m)));
 }
+
+// x where `keep`, else +0.0.
+inline float keep_or_zero(float x, bool keep) { return pick(keep, x, 0.0f); }
 
 // -x where `negative`, else x (the sign bit flipped by an integer xor).
 inline float negated_if(float x, bool negative) {
@@ -24,28 +29,16 @@ inline float negated_if(float x, bool negative) {
 }
 
 // d[b] += v (or -v where bit b + 16 is set) for every present bit b of code word x, over the word's m <= 16
-// elements. Every element gets the sum and an absent one its old bits back, by integer masks (float selects do
-// not vectorise here, and adding 0.0 instead would turn -0.0 into +0.0): the set-bit loop's result bit for bit.
-template <int M>
-inline void add_code_word_fixed(float* d, uint32_t x, float v) {
-  const uint32_t vb = static_cast<uint32_t>(float_to_bits(v));
-  for (int b = 0; b < M; ++b) {
-    const uint32_t present = 0u - static_cast<uint32_t>((x & kBit[b]) != 0);
-    const uint32_t sign = ((x >> 16) & kBit[b]) ? 0x80000000u : 0u;
-    const float y = d[b] + bits_to_float(static_cast<int32_t>(vb ^ sign));
-    const uint32_t kept = static_cast<uint32_t>(float_to_bits(d[b]));
-    d[b] = bits_to_float(static_cast<int32_t>((static_cast<uint32_t>(float_to_bits(y)) & present) | (kept & ~present)));
-  }
-}
-
+// elements. Every element gets the sum and an absent one its old bits back (adding 0.0 instead would turn -0.0
+// into +0.0): the set-bit loop's result bit for bit, without its mispredictions.
 inline void add_code_word(float* d, uint32_t x, float v, int64_t m) {
   if ((x & 0xffffu) == 0) return;  // nothing sent in these 16 (common in sparse bitmaps)
+  auto add = [&](int64_t b) { d[b] = pick(x & kBit[b], d[b] + negated_if(v, (x >> 16) & kBit[b]), d[b]); };
   if (m == 16) {
-    add_code_word_fixed<16>(d, x, v);
-    return;
+    for (int b = 0; b < 16; ++b) add(b);  // a constant trip count: straight-line vector code
+  } else {
+    for (int64_t b = 0; b < m; ++b) add(b);
   }
-  for (int64_t b = 0; b < m; ++b)
-    if (x & kBit[b]) d[b] += (x >> 16) & kBit[b] ? -v : v;
 }
 
 }  // namespace gs

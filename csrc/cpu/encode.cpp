@@ -36,17 +36,6 @@ static_assert(kChunk % kBlock == 0, "a chunk must own whole mask words");
 
 inline int64_t mask_words(int64_t n) { return (n + kBlock - 1) / kBlock; }
 
-template <int DT>
-inline float upd(const void* p, int64_t i) {
-  return load_as_float(p, DT, i);
-}
-
-// The encoder's input at element i: the update or, with momentum (MOM), the new velocity m * v + update.
-template <int DT, bool MOM>
-inline float input(const void* update, const Momentum& mo, int64_t i) {
-  return MOM ? velocity_step(mo.velocity[i], mo.factor, upd<DT>(update, i)) : upd<DT>(update, i);
-}
-
 #ifdef GS_SSE2
 // Four inputs at g + k (float32): the update or m * v + update, rounded as velocity_step rounds it.
 template <bool MOM>
@@ -80,7 +69,7 @@ inline uint64_t hit_bits_portable(const void* update, const Momentum& mo, const 
   if (len < kBlock) std::memset(flags, 0, sizeof flags);
   int32_t b = 0;
   for (int64_t j = 0; j < len; ++j) {
-    const float u = residual[i + j] + input<DT, MOM>(update, mo, i + j);
+    const float u = residual[i + j] + input_at<DT, MOM>(update, mo, i + j);
     flags[j] = static_cast<uint8_t>((u >= tau) | (u <= -tau));  // reaches(u, tau), without a branch
     b |= static_cast<int32_t>(!(u - u == 0.0f));                  // u - u is 0 unless u is NaN/Inf
   }
@@ -148,7 +137,7 @@ void count_chunks(const void* update, const Momentum& mo, const float* residual,
         if (hits) hits[b / kBlock] = bits;
         return bits;
       },
-      [&](int64_t i) { return input<DT, MOM>(update, mo, i); });
+      [&](int64_t i) { return input_at<DT, MOM>(update, mo, i); });
 }
 
 // The residual threshold_step keeps for an element that does not reach tau: u, clipped exactly as it clips.
@@ -166,7 +155,7 @@ template <int DT, bool CLIP, bool MOM>
 inline void step_silent(const void* update, const Momentum& mo, const float* residual, float* kept, int64_t b,
                         int64_t len, float clip) {
   for (int64_t j = 0; j < len; ++j) {
-    const float w = input<DT, MOM>(update, mo, b + j);
+    const float w = input_at<DT, MOM>(update, mo, b + j);
     if (MOM) mo.out[b + j] = w;
     kept[b + j] = kept_silent<CLIP>(residual[b + j] + w, clip);
   }
@@ -204,7 +193,7 @@ inline uint64_t step_hits(const void* update, const Momentum& mo, const float* r
   if (len < kBlock) std::memset(negative, 0, sizeof negative);
   for (int64_t j = 0; j < len; ++j) {
     float k;
-    const float w = input<DT, MOM>(update, mo, b + j);
+    const float w = input_at<DT, MOM>(update, mo, b + j);
     const int s = threshold_step(residual[b + j] + w, tau, c, &k);
     negative[j] = static_cast<uint8_t>(s < 0);
     kept[b + j] = k;
@@ -311,7 +300,7 @@ inline uint64_t step_block(const void* update, const Momentum& mo, const float* 
   int32_t bd = 0;
   for (int64_t j = 0; j < len; ++j) {
     float k;
-    const float w = input<DT, MOM>(update, mo, b + j);
+    const float w = input_at<DT, MOM>(update, mo, b + j);
     const float u = residual[b + j] + w;
     const int s = threshold_step(u, tau, c, &k);
     present[j] = static_cast<uint8_t>(s != 0);
@@ -335,7 +324,7 @@ void step_chunks(const void* update, const Momentum& mo, const float* residual, 
         return hits[b / kBlock] =
                    step_block<DT, CLIP, MOM>(update, mo, residual, kept, b, len, tau, clip, &negs[b / kBlock], bad);
       },
-      [&](int64_t i) { return input<DT, MOM>(update, mo, i); });
+      [&](int64_t i) { return input_at<DT, MOM>(update, mo, i); });
 }
 
 template <int DT, bool BITMAP, bool MOM>

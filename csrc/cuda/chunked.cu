@@ -36,15 +36,8 @@ struct Flags {
 
 __device__ __forceinline__ bool flagged(const Flags* f) { return f->first_bad != cuda::kNone; }
 
-// The encoder's input at element i: the update or, with a fused momentum, the new velocity m * v + update. The
-// kernels are instantiated per update dtype and with / without momentum, so that these loads carry no branch and
-// an unrolled loop issues all of its loads before it uses the first.
-template <int DT, bool MOM>
-__device__ __forceinline__ float input_at(const void* update, const Momentum& mo, int64_t i) {
-  const float g = load_as_float(update, DT, i);
-  return MOM ? velocity_step(mo.velocity[i], mo.factor, g) : g;
-}
-
+// u = residual + input_at (kernels.h). The kernels are instantiated per update dtype and with / without momentum,
+// so that these loads carry no branch and an unrolled loop issues all of its loads before it uses the first.
 template <int DT, bool MOM>
 __device__ __forceinline__ float u_at(const void* update, const Momentum& mo, const float* residual, int64_t i) {
   return residual[i] + input_at<DT, MOM>(update, mo, i);

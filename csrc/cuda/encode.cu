@@ -30,12 +30,10 @@ struct Pass1 {
 
 int64_t num_tiles(int64_t n) { return (n + kTile - 1) / kTile; }
 
-// The encoder's input at element i: the update or, with a fused momentum, the new velocity m * v + update
-// (the branch is the same for every thread).
+// kernels.h's input_at with the momentum decided at run time (the branch is the same for every thread).
 template <int DT>
-__device__ __forceinline__ float input_at(const void* update, const Momentum& mo, int64_t i) {
-  const float g = load_as_float(update, DT, i);
-  return mo.velocity ? velocity_step(mo.velocity[i], mo.factor, g) : g;
+__device__ __forceinline__ float input_any(const void* update, const Momentum& mo, int64_t i) {
+  return mo.velocity ? input_at<DT, true>(update, mo, i) : input_at<DT, false>(update, mo, i);
 }
 
 // Pass 1. Rows of kThreads consecutive elements, so loads are coalesced. tile_counts may be null
@@ -53,7 +51,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int k = 0; k < kItems; ++k) {
     const int64_t i = base + int64_t(k) * kThreads + threadIdx.x;
     if (i < n) {
-      const float u = residual[i] + input_at<DT>(update, mo, i);
+      const float u = residual[i] + input_any<DT>(update, mo, i);
       cnt += reaches(u, tau) ? 1 : 0;
       if (!is_finite(u) && bad == cuda::kNone) bad = static_cast<unsigned long long>(i);
     }
@@ -88,7 +86,7 @@ __global__ void __launch_bounds__(kThreads)
     int s = 0;
     if (i < n) {
       float k;
-      const float w = input_at<DT>(update, mo, i);
+      const float w = input_any<DT>(update, mo, i);
       s = threshold_step(residual[i] + w, tau, clip, &k);
       kept[i] = k;
       if (mo.velocity) mo.out[i] = s != 0 ? 0.0f : w;
@@ -112,7 +110,7 @@ __global__ void __launch_bounds__(kThreads)
   int s = 0;
   if (i < n) {
     float k;
-    const float w = input_at<DT>(update, mo, i);
+    const float w = input_any<DT>(update, mo, i);
     s = threshold_step(residual[i] + w, tau, clip, &k);
     kept[i] = k;
     if (mo.velocity) mo.out[i] = s != 0 ? 0.0f : w;

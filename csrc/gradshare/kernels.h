@@ -46,6 +46,14 @@ struct Momentum {
   float* out = nullptr;
 };
 
+// The encoders' input at element i, in every CPU and CUDA encoder: the update (dtype DT), or with a fused
+// momentum (MOM) the new velocity m * velocity + update.
+template <int DT, bool MOM>
+GS_HD float input_at(const void* update, const Momentum& mo, int64_t i) {
+  const float g = load_as_float(update, DT, i);
+  return MOM ? velocity_step(mo.velocity[i], mo.factor, g) : g;
+}
+
 // Words an encode may need: enough for either format when the choice is kChooseAuto or kChooseBitmap.
 inline int64_t encode_capacity(int64_t n) { return kHeaderWords + bitmap_words(n); }
 
