@@ -158,13 +158,15 @@ def _dense_pseudo_gradient_equals_averaging():
     return (_flat(a) - _flat(b)).abs().max().item(), pb.rounds, pb.bytes_sent, pa.bytes_sent
 
 
-def _sparse_pseudo_gradient(mid_round_resume):
-    # SparseLoCo-like: top-k of a decayed error-feedback pseudo-gradient, outer Nesterov, inner Adam.
+def _sparse_pseudo_gradient(mid_round_resume, inner_name="adam"):
+    # SparseLoCo-like: top-k of a decayed error-feedback pseudo-gradient, outer Nesterov, inner Adam (or
+    # RMSprop with momentum, whose rescaling keeps state of gradshare's: second_moment.GlobalBatchStep).
     rank = dist.get_rank()
 
     def make():
         m = _model()
-        inner = torch.optim.Adam(m.parameters(), lr=1e-2)
+        inner = (torch.optim.Adam(m.parameters(), lr=1e-2) if inner_name == "adam" else
+                 torch.optim.RMSprop(m.parameters(), lr=1e-3, momentum=0.9))
         return m, inner, ParameterAveraging(m, inner, frequency=3, outer_optimizer=_nesterov,
                                             compression=gradshare.TopK(0.05, warmup_steps=0), residual_decay=0.9)
     model, inner, pa = make()
@@ -194,7 +196,8 @@ def _all_checks():
     return {"bitwise_sgd": _bitwise_after_round("sgd"), "bitwise_adam": _bitwise_after_round("adam"),
             "frequency1": _frequency1_equals_gradient_averaging(5), "schedule": _schedule_and_options(),
             "broadcast": _initial_broadcast(), "dense_pseudo": _dense_pseudo_gradient_equals_averaging(),
-            "sparse_pseudo": _sparse_pseudo_gradient(True)}
+            "sparse_pseudo": _sparse_pseudo_gradient(True),
+            "sparse_pseudo_rmsprop": _sparse_pseudo_gradient(True, "rmsprop")}
 
 
 def test_outer_sgd_of_lr_1_on_the_dense_pseudo_gradient_is_parameter_averaging(results):
@@ -204,8 +207,9 @@ def test_outer_sgd_of_lr_1_on_the_dense_pseudo_gradient_is_parameter_averaging(r
         assert sent == classic_sent          # parameters only either way (no optimizer state averaged)
 
 
-def test_sparse_pseudo_gradient_keeps_replicas_identical_and_resumes_exactly(results):
-    for r in [r["sparse_pseudo"] for r in results]:
+@pytest.mark.parametrize("key", ["sparse_pseudo", "sparse_pseudo_rmsprop"])
+def test_sparse_pseudo_gradient_keeps_replicas_identical_and_resumes_exactly(results, key):
+    for r in [r[key] for r in results]:
         assert r["differed"] and r["same"], "parameters must be bitwise identical after a round"
         assert r["inner_local"], "the inner optimizer's state stays on its rank"
         assert r["outer_same"], "the outer optimizer's state is the same on every rank"

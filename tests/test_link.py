@@ -219,6 +219,8 @@ def _setup(front, optimizer, costs, compression=None, nonfinite="raise"):
     model = _net()
     inner = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
              "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),   # factored (row, column) moments
+             # gradshare keeps its mean gradient and a momentum of the rescaling (second_moment.GlobalBatchStep)
+             "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9),
              "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)}[optimizer](model.parameters())
     clock = FakeClock(costs)
     kw = dict(compression=compression, link=LinkAware(clock=clock), nonfinite=nonfinite)
@@ -277,7 +279,8 @@ def _agree_and_switch(front, optimizer):
 
 
 @pytest.mark.parametrize("front", ["hook", "optimizer"])
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"] + (["adafactor"] if hasattr(torch.optim, "Adafactor") else []))
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "rmsprop"] +
+                         (["adafactor"] if hasattr(torch.optim, "Adafactor") else []))
 def test_ranks_agree_and_switching_keeps_replicas_and_states_equal(front, optimizer):
     a, b = run_local(_agree_and_switch, 2, args=(front, optimizer), timeout=180)
     assert a["modes"] == b["modes"]
@@ -371,15 +374,15 @@ def test_grad_scaler_in_allreduce_steps(front):
     assert (res[0][2][1][3] == res[0][2][1][2] / 2) == hook_like
 
 
-def _resume(front):
+def _resume(front, optimizer):
     warnings.simplefilter("ignore")
     costs = {ALLREDUCE: 10.0, COMPRESSED: 4.0}
-    model, net, inner, opt, state, sh = _setup(front, "sgd", costs)
+    model, net, inner, opt, state, sh = _setup(front, optimizer, costs)
     _train(net, opt, 12)
     blob = snapshot(model, inner, state) if front == "hook" else snapshot(model, opt)
     _train(net, opt, 6, start=12)
     first = _flat(model)
-    model2, net2, inner2, opt2, state2, sh2 = _setup(front, "sgd", costs)
+    model2, net2, inner2, opt2, state2, sh2 = _setup(front, optimizer, costs)
     restore(blob, *((model2, inner2, state2) if front == "hook" else (model2, opt2)))
     assert sh2.link.choice == COMPRESSED and sh2.link.mode == COMPRESSED
     _train(net2, opt2, 6, start=12)
@@ -387,8 +390,9 @@ def _resume(front):
 
 
 @pytest.mark.parametrize("front", ["hook", "optimizer"])
-def test_a_checkpoint_keeps_the_choice_and_resumes_exactly(front):
-    assert all(run_local(_resume, 2, args=(front,), timeout=120))
+@pytest.mark.parametrize("optimizer", ["sgd", "rmsprop"])
+def test_a_checkpoint_keeps_the_choice_and_resumes_exactly(front, optimizer):
+    assert all(run_local(_resume, 2, args=(front, optimizer), timeout=120))
 
 
 def _mismatch():

@@ -24,9 +24,10 @@ pseudo-gradient) through gradshare's sharing core (gradshare.sharing), with erro
   change, at a few bytes an entry; the mean of what was sent is applied (``outer_optimizer=None``: a step of
   exactly the mean change) or handed to the outer optimizer.
 
-Adam and AdamW: each inner step is rescaled to the second moment of the global batch (W ranks' batches),
-estimated from the rank's own moments (gradshare.second_moment): averaging W ranks' steps then moves the
-model as much as one Adam on the global batch would. A round that averages optimizer state averages the
+Adam-like optimizers (Adam, AdamW, NAdam, RAdam, RMSprop, Adagrad, Adadelta): each inner step is rescaled to
+the second moment of the global batch (W ranks' batches), estimated from the rank's own moments
+(gradshare.second_moment): averaging W ranks' steps then moves the model as much as one step on the global
+batch would. A round that averages optimizer state averages the
 ranks' own second moments, which the next inner steps read as such.
 
 Floating buffers (BatchNorm statistics) are averaged densely at each round in every mode. With one rank
@@ -103,6 +104,7 @@ class ParameterAveraging(WrappedOptimizer):
         self.dense_bytes = 0
         self.last_averaged = False
         self._flat: Optional[torch.Tensor] = None
+        self.rescale = second_moment.GlobalBatchStep(optimizer)   # each inner step as the global batch's
         self._param_count = sum(p.numel() for p in model.parameters() if p.requires_grad)
         if sync_initial and self.world_size > 1:
             self._broadcast_from_rank0()
@@ -147,14 +149,13 @@ class ParameterAveraging(WrappedOptimizer):
     @torch.no_grad()
     def _to_global_batch(self, before: Optional[Dict[int, torch.Tensor]] = None) -> None:
         """The inner step just taken made the step an Adam on the global batch would take (module docstring)."""
-        world, kind = self.world_size, second_moment.kind(self.optimizer)
-        if world <= 1 or kind is None:
+        world = self.world_size
+        if world <= 1 or self.rescale.kind is None:
             return
         for group in self.optimizer.param_groups:
             for p in group["params"]:
-                st = self.optimizer.state.get(p)
                 change = None if before is None else before[id(p)] - p.detach()
-                excess = second_moment.step_excess(p, st, group, world, kind, change) if st else None
+                excess = self.rescale.excess(p, group, world, change)
                 if excess is not None:
                     p.sub_(excess.to(p.dtype))
 
@@ -278,7 +279,8 @@ class ParameterAveraging(WrappedOptimizer):
         (residuals), the parameters of the last round and the outer optimizer's state, so that a resume
         mid-round is exact."""
         state = {"step": self.step_count, "rounds": self.rounds, "bytes_sent": self.bytes_sent,
-                 "dense_bytes": self.dense_bytes, "frequency": self.frequency, "warmup_steps": self.warmup_steps}
+                 "dense_bytes": self.dense_bytes, "frequency": self.frequency, "warmup_steps": self.warmup_steps,
+                 "mean gradient": self.rescale.state_dict()}
         if self.sharing is not None:
             state["sharing"] = self.sharing.state_dict()
             state["round_start"] = ([b.snapshot.detach().cpu().clone() for b in self.sharing.buckets]
@@ -308,6 +310,7 @@ class ParameterAveraging(WrappedOptimizer):
                     b.snapshot.copy_(s)
             if self.outer is not None:
                 self.outer.load_state_dict(state["outer"])
+        self.rescale.load_state_dict(state.get("mean gradient"))
         self.step_count = int(state["step"])
         self.rounds = int(state.get("rounds", 0))
         self.bytes_sent = int(state.get("bytes_sent", 0))

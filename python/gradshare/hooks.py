@@ -184,7 +184,7 @@ class ThresholdState(SharingFront):
                 p.grad = None
             return
         if self._allreduce_step:
-            sh.make_consistent(optimizer)
+            sh.before_allreduce_step(optimizer)
         else:
             sh.begin_updates()
 

@@ -178,7 +178,7 @@ class SharedOptimizer(SharingFront, WrappedOptimizer):
             return loss
         if sh.allreduce_now():                    # the link-aware choice on a fast link: DDP's step
             if sh.allreduce_gradients():
-                sh.make_consistent(self.optimizer)
+                sh.before_allreduce_step(self.optimizer)
                 self.optimizer.step()
                 sh.end_allreduce_step()
             return loss

@@ -1,4 +1,4 @@
-"""Adam's second moment for the global batch, estimated from one rank's own optimizer state.
+"""An adaptive optimizer's second moment for the global batch, estimated from one rank's own state.
 
 When W ranks each run Adam on their own share of the batch and average their steps (sharing updates:
 gradshare.sharing; local steps: gradshare.averaging), each rank divides its momentum by the second moment
@@ -32,9 +32,23 @@ Applies to torch.optim.Adam and AdamW (amsgrad: the running maximum is the v use
 lr * m / (sqrt(v) + eps) exactly, and to NAdam and RAdam, which divide their step by the same sqrt(v) + eps
 (RAdam: eps / sqrt(1 - beta2^t), and only once its rectification is on): there the part of this step's
 change that the division scaled (all of it but decoupled weight decay) is multiplied by
-(sqrt(v) + eps) / (sqrt(v_global) + eps). Other adaptive optimizers (Adamax's infinity norm, RMSprop,
-Adagrad and Adadelta, which keep no first moment, Adafactor's factored moments) share their steps as
-they are.
+(sqrt(v) + eps) / (sqrt(v_global) + eps).
+
+RMSprop, Adagrad and Adadelta divide by a second moment too but keep no mean gradient to tell signal from
+noise, so :class:`GlobalBatchStep` keeps one per parameter for them: an exponential average of the gradient
+the optimizer saw (weight decay included) with Adam's default beta1 = 0.9, bias-corrected, m. With v their
+own second moment in bias-corrected form (RMSprop's and Adadelta's ``square_avg`` / (1 - rho^t), Adagrad's
+``sum`` less its initial value, / t) and s the squared mean (m^2; for Adagrad, whose sum never forgets, the
+mean of m^2 over its steps; centered RMSprop's own ``grad_avg``, bias-corrected, squared, since that is what
+it subtracts), capped at v, v_global = s + (v - s) / W, converted back to the optimizer's units. The
+step then divides by v_global where the optimizer divided by v: sqrt(v) + eps (RMSprop; centered:
+sqrt(v - grad_avg^2) + eps), sqrt(sum) + eps (Adagrad), sqrt(v + eps) (Adadelta, whose numerator, the
+running size of its own steps, is left as it is). RMSprop's momentum buffer accumulates the step's divided
+gradient, so the difference is accumulated alike in a buffer of gradshare's (the same momentum), and folded
+into the optimizer's buffer when the ranks go over to all-reduced gradients.
+
+Adamax (an infinity norm, not a mean square), Adafactor (factored moments) and optimizers gradshare does
+not know share their steps as they are.
 """
 from __future__ import annotations
 
@@ -46,27 +60,32 @@ from gradshare.optimizer_state import state_tensors
 
 CORRECTED = (torch.optim.Adam, torch.optim.AdamW)     # the step from the moments alone
 RESCALED = (torch.optim.NAdam, torch.optim.RAdam)      # this step's change, rescaled (needs the change)
+# Optimizers that keep no mean gradient: GlobalBatchStep keeps one for them. Kind -> its second-moment state.
+OWN_MEAN = {"rmsprop": "square_avg", "adagrad": "sum", "adadelta": "square_avg"}
+MEAN_BETA = 0.9                                        # that mean's decay: Adam's default beta1
 
 
 def applies(optimizer: Optional[torch.optim.Optimizer]) -> bool:
     """Whether ``optimizer``'s steps are rescaled to the global batch's second moment."""
-    return isinstance(optimizer, CORRECTED + RESCALED)
+    return kind(optimizer) is not None
 
 
 def kind(optimizer: Optional[torch.optim.Optimizer]) -> Optional[str]:
-    """How :func:`step_excess` treats ``optimizer``'s steps: "adam", "nadam", "radam" or None (not at all)."""
+    """How :func:`step_excess` treats ``optimizer``'s steps: "adam", "nadam", "radam", "rmsprop",
+    "adagrad", "adadelta" or None (not at all)."""
     if isinstance(optimizer, CORRECTED):
         return "adam"
-    if isinstance(optimizer, torch.optim.NAdam):
-        return "nadam"
-    if isinstance(optimizer, torch.optim.RAdam):
-        return "radam"
+    for cls, name in ((torch.optim.NAdam, "nadam"), (torch.optim.RAdam, "radam"),
+                      (torch.optim.RMSprop, "rmsprop"), (torch.optim.Adagrad, "adagrad"),
+                      (torch.optim.Adadelta, "adadelta")):
+        if isinstance(optimizer, cls):
+            return name
     return None
 
 
 def needs_change(optimizer: Optional[torch.optim.Optimizer]) -> bool:
     """Whether :func:`step_excess` needs the step's change (before - after) for ``optimizer``."""
-    return isinstance(optimizer, RESCALED)
+    return kind(optimizer) not in (None, "adam")
 
 
 def _moments(state: Dict[str, Any], group: Dict[str, Any]) -> Optional[Tuple[torch.Tensor, torch.Tensor, float]]:
@@ -90,18 +109,122 @@ def _global(m: torch.Tensor, v: torch.Tensor, world: int) -> torch.Tensor:
     return torch.sub(v, m2).clamp_min_(0.0).div_(world).add_(m2)
 
 
+def _gradient(p: torch.Tensor, group: Dict[str, Any], before: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The gradient an RMSprop, Adagrad or Adadelta step divided (maximize's sign, coupled weight decay on the
+    parameters ``before`` the step), flat float32; None for a sparse or complex one (not rescaled)."""
+    grad = p.grad
+    if grad is None or grad.is_sparse or grad.is_complex():
+        return None
+    g = grad.detach().float().reshape(-1)
+    g = -g if group.get("maximize") else g.clone()
+    wd = float(group.get("weight_decay", 0.0))
+    if wd:
+        g.add_(before.detach().float().reshape(-1), alpha=wd)
+    return g
+
+
+def _observe(kind: str, aux: Dict[str, Any], g: torch.Tensor) -> None:
+    """GlobalBatchStep's mean gradient (and, for Adagrad, the running sum of its square) after gradient ``g``."""
+    if aux.get("mean") is None:
+        aux.update(mean=torch.zeros_like(g), count=0)
+        if kind == "adagrad":
+            aux["signal"] = torch.zeros_like(g)
+    aux["mean"].lerp_(g, 1.0 - MEAN_BETA)
+    aux["count"] += 1
+    if kind == "adagrad":
+        m = aux["mean"] / (1.0 - MEAN_BETA ** aux["count"])
+        aux["signal"].addcmul_(m, m)
+
+
+def _own_units(kind: str, state: Dict[str, Any], group: Dict[str, Any]) -> Optional[Tuple[torch.Tensor, float, float]]:
+    """(v, c, k): an RMSprop / Adagrad / Adadelta second moment as a flat float32 copy, with v = c + k * (its
+    bias-corrected mean square); None before the first step or for a state this rule does not cover."""
+    v, step = state.get(OWN_MEAN[kind]), state.get("step")
+    if v is None or step is None or v.is_sparse or v.is_complex() or float(step) < 1:
+        return None
+    t = float(step)
+    if kind == "adagrad":
+        return v.float().reshape(-1), float(group.get("initial_accumulator_value", 0.0)), t
+    decay = float(group["alpha"] if kind == "rmsprop" else group["rho"])
+    return v.float().reshape(-1), 0.0, 1.0 - decay ** t
+
+
+def _own_global(kind: str, state: Dict[str, Any], units: Tuple[torch.Tensor, float, float], aux: Dict[str, Any],
+                factor: float) -> torch.Tensor:
+    """v's variance part times ``factor`` (1/W: the global batch's), in the optimizer's units: c + k * (s +
+    (v_hat - s) * factor) with s the squared mean gradient (module docstring) capped at v_hat, so that the
+    global batch's second moment is never above the rank's own (and W undoes 1/W exactly)."""
+    v, c, k = units
+    n = aux["count"]
+    if kind == "adagrad":
+        s = aux["signal"] / n
+    elif kind == "rmsprop" and state.get("grad_avg") is not None:     # centered: its own mean, which it subtracts
+        s = state["grad_avg"].float().reshape(-1) / k
+        s = s * s
+    else:
+        m = aux["mean"] / (1.0 - MEAN_BETA ** n)
+        s = m * m
+    v_hat = torch.sub(v, c).div_(k)
+    s = torch.minimum(s, v_hat)
+    return v_hat.sub_(s).mul_(factor).add_(s).mul_(k).add_(c)
+
+
+def _divisor(kind: str, v: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) -> torch.Tensor:
+    """What an RMSprop / Adagrad / Adadelta step divides its gradient by, for second moment ``v`` (flat)."""
+    eps = float(group["eps"])
+    if kind == "adadelta":
+        return v.add(eps).sqrt_()
+    if kind == "rmsprop" and group.get("centered"):
+        ga = state["grad_avg"].float().reshape(-1)
+        return torch.sub(v, ga * ga).clamp_min_(0.0).sqrt_().add_(eps)
+    return v.sqrt().add_(eps)
+
+
+def _own_mean_excess(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], world: int, kind: str,
+                     change: torch.Tensor, aux: Dict[str, Any]) -> Optional[torch.Tensor]:
+    """:func:`step_excess` for RMSprop, Adagrad and Adadelta; updates ``aux`` (GlobalBatchStep's state)."""
+    units = _own_units(kind, state, group)
+    if units is None:
+        return None
+    flat_change = change.detach().float().reshape(-1)
+    g = _gradient(p, group, p.detach().float().reshape(-1) + flat_change)
+    if g is None:
+        return None
+    _observe(kind, aux, g)
+    v = units[0]
+    narrow = _divisor(kind, v, state, group)
+    wide = _divisor(kind, _own_global(kind, state, units, aux, 1.0 / world), state, group)
+    momentum = float(group.get("momentum", 0.0)) if kind == "rmsprop" else 0.0
+    if momentum > 0.0:
+        # the optimizer's buffer holds the sum of its divided gradients; the difference is summed alike here
+        diff = torch.div(g, wide).sub_(torch.div(g, narrow))
+        buf = aux.get("momentum_buffer")
+        aux["momentum_buffer"] = diff if buf is None else buf.mul_(momentum).add_(diff)
+        return aux["momentum_buffer"].mul(float(group["lr"])).view_as(p)
+    # the whole change was divided (weight decay is coupled in all three): rescale it
+    return narrow.div_(wide).sub_(1.0).mul_(flat_change).view_as(p)
+
+
 @torch.no_grad()
 def step_excess(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], world: int, kind: str = "adam",
-                change: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                change: Optional[torch.Tensor] = None, aux: Optional[Dict[str, Any]] = None) -> Optional[torch.Tensor]:
     """How far the step this rank's optimizer just took on ``p`` falls short of the global-batch step, as a
     float32 tensor shaped like ``p``. Subtract it from ``p`` (or add it to the change before - after) to take
     the global-batch step. ``kind`` (:func:`kind`): "adam": lr * m * (1/(sqrt(v_global) + eps) - 1/(sqrt(v) +
     eps)); "nadam" / "radam": the step's ``change`` (before - after, shaped like ``p``, taken while ``p``
     holds the after), less decoupled weight decay, times (sqrt(v) + eps) / (sqrt(v_global) + eps) - 1. None
     when there is nothing to correct (one rank, no step yet, a parameter without a gradient, which the
-    optimizer did not step, RAdam before its rectification, or a state this rule does not cover)."""
+    optimizer did not step, RAdam before its rectification, or a state this rule does not cover).
+    "rmsprop" / "adagrad" / "adadelta": the same with the divisors of the module docstring, from the ``change``
+    and ``aux``, the parameter's entry of :class:`GlobalBatchStep` (updated here: call once per step)."""
     if world <= 1 or p.grad is None:
         return None
+    if kind in OWN_MEAN:
+        if change is None or aux is None:
+            raise ValueError(f"second moment: a {kind} step is rescaled from its change and gradshare's mean "
+                             "gradient (GlobalBatchStep); "
+                             + ("no change was given" if change is None else "no state was given"))
+        return _own_mean_excess(p, state, group, world, kind, change, aux)
     mv = _moments(state, group)
     if mv is None:
         return None
@@ -152,25 +275,36 @@ def groups_of(optimizer: torch.optim.Optimizer) -> Dict[int, Dict[str, Any]]:
     return {id(p): g for g in optimizer.param_groups for p in g["params"]}
 
 
-def to_global(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor],
-              world: int) -> Iterable[Tuple[torch.Tensor, torch.Tensor]]:
+def to_global(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], world: int,
+              rescale: Optional["GlobalBatchStep"] = None) -> Iterable[Tuple[torch.Tensor, torch.Tensor]]:
     """(source, destination) pairs of the state tensors of ``params`` to average across ranks before steps on
     the all-reduced gradient: every floating tensor with a dimension, per element or not (Adafactor's factored
     row and column moments too: a state left unaveraged would make the ranks step differently on the same
     gradient). The destination is the optimizer's tensor, the source what this rank contributes (for Adam's
-    ``exp_avg_sq``, :func:`global_exp_avg_sq`; otherwise the tensor)."""
-    fix = applies(optimizer) and world > 1
-    groups = groups_of(optimizer) if fix else {}
+    ``exp_avg_sq``, :func:`global_exp_avg_sq`; for RMSprop's, Adagrad's and Adadelta's second moment, the
+    same from ``rescale``'s mean gradient, and RMSprop's momentum with ``rescale``'s difference folded in;
+    otherwise the tensor)."""
+    name = kind(optimizer) if world > 1 else None
+    if name in OWN_MEAN and rescale is not None:
+        yield from rescale.to_global(params, world)
+        return
+    groups = groups_of(optimizer) if name is not None else {}
     for key, p, t in state_tensors(optimizer, params, per_element=False):
-        src = global_exp_avg_sq(optimizer.state[p], groups[id(p)], world) if fix and key == "exp_avg_sq" else None
+        src = global_exp_avg_sq(optimizer.state[p], groups[id(p)], world) if groups and key == "exp_avg_sq" else None
         yield (t if src is None else src), t
 
 
 @torch.no_grad()
-def to_own(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], world: int) -> None:
-    """After steps on the all-reduced gradient, before steps on the rank's own: Adam's ``exp_avg_sq`` of
+def to_own(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], world: int,
+           rescale: Optional["GlobalBatchStep"] = None) -> None:
+    """After steps on the all-reduced gradient, before steps on the rank's own: the second moment of
     ``params`` made a rank's own again (in place; the inverse of :func:`to_global`, the same on every rank)."""
-    if world <= 1 or not applies(optimizer):
+    name = kind(optimizer)
+    if world <= 1 or name is None:
+        return
+    if name in OWN_MEAN:
+        if rescale is not None:
+            rescale.to_own(params, world)
         return
     groups = groups_of(optimizer)
     for p in params:
@@ -178,3 +312,93 @@ def to_own(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], wor
         own = _converted(st, groups[id(p)], float(world)) if st else None
         if own is not None:
             st["exp_avg_sq"].copy_(own)
+
+
+class GlobalBatchStep:
+    """This module's rule for one optimizer, and the state it keeps for RMSprop, Adagrad and Adadelta: per
+    parameter, the mean gradient (and Adagrad's running sum of its square, RMSprop's momentum of the step's
+    difference). Each rank keeps its own; the sharing fronts hold one and save it in their checkpoints."""
+
+    def __init__(self, optimizer: Optional[torch.optim.Optimizer]):
+        self.optimizer = optimizer
+        self.kind = kind(optimizer)
+        self._aux: Dict[int, Dict[str, Any]] = {}
+
+    def _entry(self, p: torch.Tensor) -> Optional[Dict[str, Any]]:
+        return self._aux.setdefault(id(p), {}) if self.kind in OWN_MEAN else None
+
+    def excess(self, p: torch.Tensor, group: Dict[str, Any], world: int,
+               change: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """:func:`step_excess` for the step the optimizer just took on ``p`` (``change``: before - after)."""
+        st = self.optimizer.state.get(p) if self.kind is not None else None
+        if not st:
+            return None
+        return step_excess(p, st, group, world, self.kind, change, self._entry(p))
+
+    @torch.no_grad()
+    def observe(self, params: Iterable[torch.Tensor], world: int) -> None:
+        """Before a step on the all-reduced gradient (the parameters still before it): the mean gradient of
+        RMSprop, Adagrad and Adadelta follows that gradient too, ready for the next steps on a rank's own."""
+        if world <= 1 or self.kind not in OWN_MEAN:
+            return
+        groups = groups_of(self.optimizer)
+        for p in params:
+            g = _gradient(p, groups[id(p)], p)
+            if g is not None:
+                _observe(self.kind, self._entry(p), g)
+
+    def _converted(self, p: torch.Tensor, factor: float) -> Optional[torch.Tensor]:
+        st = self.optimizer.state.get(p)
+        aux = self._aux.get(id(p))
+        if not st or not aux or not aux.get("count"):
+            return None
+        units = _own_units(self.kind, st, groups_of(self.optimizer)[id(p)])
+        if units is None:
+            return None
+        dst = st[OWN_MEAN[self.kind]]
+        return _own_global(self.kind, st, units, aux, factor).view_as(dst).to(dst.dtype)
+
+    @torch.no_grad()
+    def to_global(self, params: Iterable[torch.Tensor], world: int) -> Iterable[Tuple[torch.Tensor, torch.Tensor]]:
+        """:func:`to_global` for RMSprop, Adagrad and Adadelta."""
+        key = OWN_MEAN[self.kind]
+        params = list(params)
+        for p in params:
+            aux, st = self._aux.get(id(p)), self.optimizer.state.get(p)
+            extra = aux.pop("momentum_buffer", None) if aux else None
+            if extra is not None and st and st.get("momentum_buffer") is not None:
+                st["momentum_buffer"].add_(extra.view_as(st["momentum_buffer"]))
+        for name, p, t in state_tensors(self.optimizer, params, per_element=False):
+            src = self._converted(p, 1.0 / world) if name == key else None
+            yield (t if src is None else src), t
+
+    @torch.no_grad()
+    def to_own(self, params: Iterable[torch.Tensor], world: int) -> None:
+        """:func:`to_own` for RMSprop, Adagrad and Adadelta (the inverse of :meth:`to_global`)."""
+        for p in params:
+            own = self._converted(p, float(world))
+            if own is not None:
+                self.optimizer.state[p][OWN_MEAN[self.kind]].copy_(own)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Each parameter's entry by its position in the optimizer's parameter groups (tensors on the CPU)."""
+        if not self._aux:
+            return {}
+        order = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return {i: {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in self._aux[id(p)].items()}
+                for i, p in enumerate(order) if self._aux.get(id(p))}
+
+    def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
+        order = [p for g in self.optimizer.param_groups for p in g["params"]] if self.optimizer is not None else []
+        self._aux = {}
+        for i, entry in (state or {}).items():
+            i = int(i)
+            if not 0 <= i < len(order):
+                raise ValueError(f"load_state_dict: the checkpoint's mean gradient is for parameter #{i}, the "
+                                 f"optimizer has {len(order)}")
+            p = order[i]
+            mean = entry.get("mean")
+            if mean is not None and mean.numel() != p.numel():
+                raise ValueError(f"load_state_dict: parameter #{i} has {p.numel()} elements, its mean gradient in "
+                                 f"the checkpoint {mean.numel()}")
+            self._aux[id(p)] = {k: (v.to(p.device) if torch.is_tensor(v) else v) for k, v in entry.items()}

@@ -271,9 +271,11 @@ class Sharing:
         self._arrived: Optional[bool] = None   # delay=1: they were collected; True: each bucket's ``mean`` is to apply
         self.residual_decay = float(residual_decay)
         self.optimizer = optimizer
-        # Sharing an Adam's updates: each rank's step rescaled to the global batch's second moment
-        # (gradshare.second_moment); the optimizer's state is not touched.
+        # Sharing an adaptive optimizer's updates (Adam's kin, RMSprop, Adagrad, Adadelta): each rank's step
+        # rescaled to the global batch's second moment (gradshare.second_moment); the steps leave the
+        # optimizer's state as it is.
         self.global_second_moment = mode == "updates" and second_moment.applies(optimizer)
+        self.rescale = second_moment.GlobalBatchStep(optimizer if self.global_second_moment else None)
         chosen = as_compression(compression, clipping)
         self.compression = chosen or for_optimizer(optimizer)
         self.process_group = process_group
@@ -487,7 +489,8 @@ class Sharing:
         """Before the optimizer's local step: remember every bucket's parameters. After all-reduce steps, Adam's
         second moment is made each rank's own again first (gradshare.second_moment.to_own)."""
         if self._consistent and self.global_second_moment:
-            second_moment.to_own(self.optimizer, (p for b in self.buckets for p in b.params), self.world_size)
+            second_moment.to_own(self.optimizer, (p for b in self.buckets for p in b.params), self.world_size,
+                                 self.rescale)
         self._consistent = False           # each rank's optimizer now steps on its own gradient
         for b in self.buckets:
             if b.snapshot is None:
@@ -588,10 +591,9 @@ class Sharing:
     def _to_global_batch(self, b: Bucket, delta: torch.Tensor, groups: Dict[int, Dict[str, Any]]) -> None:
         """This rank's change in ``delta`` (before - after) made the step an Adam on the global batch would
         take (gradshare.second_moment)."""
-        world, kind = self.world_size, second_moment.kind(self.optimizer)
+        world = self.world_size
         for p, view in b.views(delta):
-            st = self.optimizer.state.get(p)
-            excess = second_moment.step_excess(p, st, groups[id(p)], world, kind, view) if st else None
+            excess = self.rescale.excess(p, groups[id(p)], world, view)
             if excess is not None:
                 view.add_(excess)
 
@@ -677,13 +679,20 @@ class Sharing:
             return False
         return True
 
+    def before_allreduce_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before the optimizer steps on an all-reduced gradient: :meth:`make_consistent`, and the mean
+        gradient that RMSprop's, Adagrad's and Adadelta's rescaling keeps follows that gradient too
+        (gradshare.second_moment.GlobalBatchStep), ready for the next compressed steps."""
+        self.make_consistent(optimizer)
+        self.rescale.observe((p for b in self.buckets for p in b.params), self.world_size)
+
     @torch.no_grad()
     def make_consistent(self, optimizer: torch.optim.Optimizer) -> None:
         """Before the optimizer steps on an all-reduced gradient: the same optimizer state and parameters on
         every rank. After compressed steps each rank's optimizer state is its own and the residuals hold
         what was not sent yet; one all-reduce per bucket applies the mean residual to the parameters and
-        averages the state tensors shaped like a parameter (momenta, Adam's moments; Adam's second moment as
-        each rank's estimate of the global batch's, gradshare.second_moment). Nothing is sent
+        averages the state tensors shaped like a parameter (momenta, Adam's moments; a rescaled optimizer's
+        second moment as each rank's estimate of the global batch's, gradshare.second_moment). Nothing is sent
         when the states are known equal already, or empty on every rank (a fresh start: one 8-byte all-reduce
         says so)."""
         if self._consistent:
@@ -699,7 +708,7 @@ class Sharing:
                               self.buckets[0].device if self.buckets else None)
         for b in self.buckets:
             # Adam's exp_avg_sq goes in as each rank's estimate of the global batch's (gradshare.second_moment)
-            states = list(second_moment.to_global(optimizer, b.params, world))
+            states = list(second_moment.to_global(optimizer, b.params, world, self.rescale))
             flat = torch.cat([b.residual] + [src.detach().reshape(-1).float() for src, _ in states])
             dist.all_reduce(flat.div_(world), group=self.process_group)
             b.gather_params(b.flat).sub_(flat[:b.n])
@@ -742,7 +751,8 @@ class Sharing:
                              "velocity": None if b.velocity is None else b.velocity.detach().cpu().clone(),
                              "compression": b.compression.state_dict()} for b in self.buckets],
                 "link": None if self.link is None else self.link.state_dict(),
-                "states equal": self._consistent, "delay": self.delay, "late mean": late}
+                "states equal": self._consistent, "delay": self.delay, "late mean": late,
+                "mean gradient": self.rescale.state_dict()}
 
     def _late_means(self) -> Optional[List[torch.Tensor]]:
         """delay=1: the last step's decoded means, waited for (a collective) and not applied yet; None when
@@ -774,6 +784,7 @@ class Sharing:
         self.step_skipped = False
         if self.link is not None and state.get("link") is not None:
             self.link.load_state_dict(state["link"])
+        self.rescale.load_state_dict(state.get("mean gradient"))
         # Whether the ranks' optimizer states were equal when this was saved (all-reduce steps keep them so).
         self._consistent = state.get("states equal", False)
         late = state.get("late mean")
