@@ -22,7 +22,7 @@ link-aware, so on this loopback link mostly DDP's all-reduce; gradshare.link),
 the record of how the defaults were chosen: ``gradshare_ternary`` / ``gradshare_topk`` (the two codecs on
 every workload), ``gradshare_gradients`` (the hook without ``optimizer=``: gradients shared),
 ``gradshare_strom`` (DL4J's +-tau with an Adaptive threshold, gradients shared: gradshare's former default),
-``gradshare_own_moment`` (the defaults with each rank's Adam step left as its own, not rescaled to the global
+``gradshare_own_moment`` (the defaults with each rank's adaptive step left as its own, not rescaled to the global
 batch's second moment: gradshare.second_moment), ``gradshare_delayed`` (``gradshare`` one step late:
 ``delay=1``, each step's mean update applied at the end of the next, ``flush()`` before evaluating)
 and ``single`` (one process alone, same batch per step: what sharing must beat). Any contender with

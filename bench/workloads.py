@@ -12,6 +12,7 @@ judged by.
   0.01, batch 16 windows per rank; judged by validation loss on held-out modules.
 - ``char_lm_1200``: the same for 1200 steps (local steps at H=20 get 60 rounds instead of 15).
 - ``mnist_cnn_adam``: the MNIST CNN trained with Adam (lr 1e-3), as many users train small conv nets.
+- ``char_lm_rmsprop``: the transformer LM trained with RMSprop (lr 5e-4).
 """
 from __future__ import annotations
 
@@ -133,6 +134,9 @@ WORKLOADS: Dict[str, Workload] = {
                         "loss"),
     "mnist_cnn_adam": Workload("mnist_cnn_adam", _small_cnn, lambda ps: torch.optim.Adam(ps, lr=1e-3), 32, 938,
                                "accuracy"),
+    # the LM with RMSprop (an adaptive optimizer that keeps no mean gradient: gradshare.second_moment)
+    "char_lm_rmsprop": Workload("char_lm_rmsprop", CharLM, lambda ps: torch.optim.RMSprop(ps, lr=5e-4), 16, 300,
+                                "loss"),
     # the same, four times longer: local steps get 60 rounds at H=20 instead of 15
     "char_lm_1200": Workload("char_lm_1200", CharLM, lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.01),
                              16, 1200, "loss"),
