@@ -170,7 +170,10 @@ def _data(step, rank, world):
 INNER = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=0.02, weight_decay=0.01),
          "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.005),
          "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.5),
-         "adadelta": lambda ps: torch.optim.Adadelta(ps, lr=10.0)}
+         "adadelta": lambda ps: torch.optim.Adadelta(ps, lr=10.0),
+         "adamax": lambda ps: torch.optim.Adamax(ps, lr=0.02)}
+if hasattr(torch.optim, "Adafactor"):
+    INNER["adafactor"] = lambda ps: torch.optim.Adafactor(ps, lr=0.02)
 
 
 def _train(how, name="adamw"):
@@ -354,24 +357,79 @@ def test_own_mean_needs_its_state_and_leaves_the_change_alone():
     assert rescale.excess(p, opt.param_groups[0], 2, change) is not None
     assert torch.equal(change, kept)                       # the caller's change is read, not written
     assert rescale.excess(p, opt.param_groups[0], 1, change) is None       # one rank
-    assert second_moment.GlobalBatchStep(torch.optim.Adamax([p])).kind is None
+    assert second_moment.GlobalBatchStep(torch.optim.SGD([p], lr=0.1, momentum=0.9)).kind is None
 
 
-@pytest.mark.parametrize("cls,kw", OWN_MEAN_CASES, ids=OWN_IDS)
+TRACKED_CASES = [(torch.optim.Adamax, dict(lr=1e-2), (64,)), (torch.optim.Adamax, dict(lr=1e-2, weight_decay=0.1), (64,)),
+                 (torch.optim.Adamax, dict(lr=1e-2, maximize=True), (64,))]
+if hasattr(torch.optim, "Adafactor"):
+    TRACKED_CASES += [(torch.optim.Adafactor, dict(lr=1e-2), (64,)), (torch.optim.Adafactor, dict(lr=1e-2), (8, 8)),
+                      (torch.optim.Adafactor, dict(lr=1e-2, weight_decay=0.1), (8, 8))]
+TRACKED_IDS = [f"{c.__name__}-{'x'.join(map(str, shape))}-{'-'.join(k for k in kw if k != 'lr') or 'plain'}"
+               for c, kw, shape in TRACKED_CASES]
+
+
+@pytest.mark.parametrize("cls,kw,shape", TRACKED_CASES, ids=TRACKED_IDS)
+@pytest.mark.parametrize("world", [2, 8])
+def test_tracked_excess_matches_float64_reference(cls, kw, shape, world):
+    """Adamax and Adafactor: the divided part of each step over r = sqrt(v_global / v), from the mean and mean
+    square gradshare keeps (float64 reference from the gradient history)."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(*shape))
+    opt = cls([p], **kw)
+    rescale = second_moment.GlobalBatchStep(opt)
+    m = v = None
+    for i, grad in enumerate(_gradients(10)):
+        p.grad = grad.view(shape).clone()
+        before = p.detach().clone()
+        opt.step()
+        change = before - p.detach()
+        got = rescale.excess(p, opt.param_groups[0], world, change).double()
+        g = (-grad if kw.get("maximize") else grad).double()
+        decoupled = cls is not torch.optim.Adamax
+        if not decoupled:
+            g = g + kw.get("weight_decay", 0.0) * before.double().reshape(-1)
+        n = i + 1
+        if m is None:
+            m, v = torch.zeros_like(g), torch.zeros_like(g)
+        m = 0.9 * m + 0.1 * g
+        w = 1 - 0.999 if cls is torch.optim.Adamax else n ** -0.8
+        v = (1 - w) * v + w * g * g
+        vh = v / (1 - 0.999 ** n) if cls is torch.optim.Adamax else v
+        mh = m / (1 - 0.9 ** n)
+        s = torch.minimum(mh * mh, vh)
+        r = ((s + (vh - s) / world) / vh).sqrt()
+        divided = change.double().reshape(-1)
+        if decoupled:
+            divided = divided - kw["lr"] * kw.get("weight_decay", 0.0) * before.double().reshape(-1)
+        np.testing.assert_allclose(got.reshape(-1).numpy(), (divided * (1 / r - 1)).numpy(), rtol=1e-4, atol=1e-9)
+    assert float(got.abs().max()) > 1e-3 * float(change.abs().max())         # it did rescale
+
+
+STATE_CASES = ([(c, kw, (64,)) for c, kw in OWN_MEAN_CASES] + TRACKED_CASES)
+STATE_IDS = OWN_IDS + TRACKED_IDS
+
+
+def _state_key(cls, shape):
+    return {torch.optim.Adagrad: "sum", torch.optim.Adamax: "exp_inf"}.get(
+        cls, ("variance" if len(shape) == 1 else "col_var") if cls.__name__ == "Adafactor" else "square_avg")
+
+
+@pytest.mark.parametrize("cls,kw,shape", STATE_CASES, ids=STATE_IDS)
 @pytest.mark.parametrize("world", [2, 4])
-def test_own_mean_to_own_inverts_to_global_and_checkpoints(cls, kw, world):
+def test_own_mean_to_own_inverts_to_global_and_checkpoints(cls, kw, shape, world):
     """A switch to all-reduced steps and back leaves a rank's own second moment as it was; RMSprop's
     accumulated difference joins the optimizer's momentum; the state saves and loads by position."""
     torch.manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(64))
+    p = torch.nn.Parameter(torch.randn(*shape))
     opt = cls([p], **kw)
     rescale = second_moment.GlobalBatchStep(opt)
     for grad in _gradients(8):
-        p.grad = grad
+        p.grad = grad.view(shape)
         before = p.detach().clone()
         opt.step()
         rescale.excess(p, opt.param_groups[0], world, before - p.detach())
-    key = "sum" if cls is torch.optim.Adagrad else "square_avg"
+    key = _state_key(cls, shape)
     own = opt.state[p][key].clone()
     saved = rescale.state_dict()
     extra = rescale._aux[id(p)].get("momentum_buffer")

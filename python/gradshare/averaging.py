@@ -24,10 +24,10 @@ pseudo-gradient) through gradshare's sharing core (gradshare.sharing), with erro
   change, at a few bytes an entry; the mean of what was sent is applied (``outer_optimizer=None``: a step of
   exactly the mean change) or handed to the outer optimizer.
 
-Adam-like optimizers (Adam, AdamW, NAdam, RAdam, RMSprop, Adagrad, Adadelta): each inner step is rescaled to
-the second moment of the global batch (W ranks' batches), estimated from the rank's own moments
-(gradshare.second_moment): averaging W ranks' steps then moves the model as much as one step on the global
-batch would. A round that averages optimizer state averages the
+Adaptive optimizers (Adam, AdamW, NAdam, RAdam, RMSprop, Adagrad, Adadelta, Adamax, Adafactor): each inner
+step is rescaled to the second moment of the global batch (W ranks' batches), estimated from the rank's own
+moments (gradshare.second_moment): averaging W ranks' steps then moves the model as much as one step on the
+global batch would. A round that averages optimizer state averages the
 ranks' own second moments, which the next inner steps read as such.
 
 Floating buffers (BatchNorm statistics) are averaged densely at each round in every mode. With one rank

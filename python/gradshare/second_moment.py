@@ -47,8 +47,17 @@ running size of its own steps, is left as it is). RMSprop's momentum buffer accu
 gradient, so the difference is accumulated alike in a buffer of gradshare's (the same momentum), and folded
 into the optimizer's buffer when the ranks go over to all-reduced gradients.
 
-Adamax (an infinity norm, not a mean square), Adafactor (factored moments) and optimizers gradshare does
-not know share their steps as they are.
+Adamax (an infinity norm, not a mean square) and Adafactor (a factored estimate of it) divide by what
+:class:`GlobalBatchStep` cannot convert element by element, so it keeps both moments itself: the mean m as
+above and the mean square v of the gradient (Adamax's beta2, bias-corrected; Adafactor's own decay schedule,
+1 - beta2_t = t^-0.8). The part of the step they divided (all but Adafactor's decoupled weight decay) is
+divided by r = sqrt(v_global / v), with v_global from m and v as above: the global batch's divisor is about
+r times the rank's (for Adamax's running maximum of |g| as for a root mean square, noise scales it alike).
+Those moments follow the rank's own gradients only, so an all-reduced phase leaves r as it was, and the
+switch to it and back multiplies and divides the optimizer's state by the same r (Adamax's ``exp_inf``;
+Adafactor's ``variance`` by r^2, or its column factor by the mean of r^2).
+
+Optimizers gradshare does not know share their steps as they are.
 """
 from __future__ import annotations
 
@@ -63,6 +72,9 @@ RESCALED = (torch.optim.NAdam, torch.optim.RAdam)      # this step's change, res
 # Optimizers that keep no mean gradient: GlobalBatchStep keeps one for them. Kind -> its second-moment state.
 OWN_MEAN = {"rmsprop": "square_avg", "adagrad": "sum", "adadelta": "square_avg"}
 MEAN_BETA = 0.9                                        # that mean's decay: Adam's default beta1
+# Optimizers whose divisor is no mean square of the gradient (Adamax's infinity norm, Adafactor's factored
+# estimate): GlobalBatchStep keeps the mean and the mean square itself, and rescales by their ratio.
+TRACKED = ("adamax", "adafactor")
 
 
 def applies(optimizer: Optional[torch.optim.Optimizer]) -> bool:
@@ -72,12 +84,14 @@ def applies(optimizer: Optional[torch.optim.Optimizer]) -> bool:
 
 def kind(optimizer: Optional[torch.optim.Optimizer]) -> Optional[str]:
     """How :func:`step_excess` treats ``optimizer``'s steps: "adam", "nadam", "radam", "rmsprop",
-    "adagrad", "adadelta" or None (not at all)."""
+    "adagrad", "adadelta", "adamax", "adafactor" or None (not at all)."""
     if isinstance(optimizer, CORRECTED):
         return "adam"
-    for cls, name in ((torch.optim.NAdam, "nadam"), (torch.optim.RAdam, "radam"),
-                      (torch.optim.RMSprop, "rmsprop"), (torch.optim.Adagrad, "adagrad"),
-                      (torch.optim.Adadelta, "adadelta")):
+    kinds = ((torch.optim.NAdam, "nadam"), (torch.optim.RAdam, "radam"), (torch.optim.RMSprop, "rmsprop"),
+             (torch.optim.Adagrad, "adagrad"), (torch.optim.Adadelta, "adadelta"), (torch.optim.Adamax, "adamax"))
+    if hasattr(torch.optim, "Adafactor"):
+        kinds += ((torch.optim.Adafactor, "adafactor"),)
+    for cls, name in kinds:
         if isinstance(optimizer, cls):
             return name
     return None
@@ -205,6 +219,44 @@ def _own_mean_excess(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, An
     return narrow.div_(wide).sub_(1.0).mul_(flat_change).view_as(p)
 
 
+def _tracked_ratio(kind: str, group: Dict[str, Any], aux: Dict[str, Any], world: int) -> torch.Tensor:
+    """r = sqrt(v_global / v) from GlobalBatchStep's own moments of an Adamax or Adafactor parameter (module
+    docstring): 1 where the mean dominates, down to 1 / sqrt(W) where noise does."""
+    n = aux["count"]
+    v = aux["square"] / (1.0 - float(group["betas"][1]) ** n) if kind == "adamax" else aux["square"]
+    m = aux["mean"] / (1.0 - MEAN_BETA ** n)
+    s = torch.minimum(m * m, v)
+    ratio = torch.sub(v, s).div_(world).add_(s).div_(v.clamp_min(torch.finfo(torch.float32).tiny)).sqrt_()
+    return torch.where(v > 0, ratio, torch.ones_like(ratio))
+
+
+def _tracked_excess(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], world: int, kind: str,
+                    change: torch.Tensor, aux: Dict[str, Any]) -> Optional[torch.Tensor]:
+    """:func:`step_excess` for Adamax and Adafactor: the divided part of the change (all of it but Adafactor's
+    decoupled weight decay) times 1/r - 1; updates ``aux``, the moments r is taken from."""
+    if state.get("step") is None or float(state["step"]) < 1:
+        return None
+    flat_change = change.detach().float().reshape(-1).clone()
+    before = p.detach().float().reshape(-1) + flat_change
+    decoupled = kind == "adafactor"
+    g = _gradient(p, {**group, "weight_decay": 0.0} if decoupled else group, before)
+    if g is None:
+        return None
+    wd = float(group.get("weight_decay", 0.0))
+    if decoupled and wd:                                   # p *= 1 - lr * wd came first, undivided
+        flat_change.sub_(before, alpha=float(group["lr"]) * wd)
+    if aux.get("mean") is None:
+        aux.update(mean=torch.zeros_like(g), square=torch.zeros_like(g), count=0)
+    aux["count"] += 1
+    aux["mean"].lerp_(g, 1.0 - MEAN_BETA)
+    # Adamax: an average with its beta2, bias-corrected when read; Adafactor: its own decay schedule, 1 - beta2_t
+    # = t^beta2_decay, which needs no correction
+    weight = (1.0 - float(group["betas"][1]) if kind == "adamax"
+              else float(aux["count"]) ** float(group.get("beta2_decay", -0.8)))
+    aux["square"].lerp_(g * g, weight)
+    return flat_change.mul_(_tracked_ratio(kind, group, aux, world).reciprocal_().sub_(1.0)).view_as(p)
+
+
 @torch.no_grad()
 def step_excess(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], world: int, kind: str = "adam",
                 change: Optional[torch.Tensor] = None, aux: Optional[Dict[str, Any]] = None) -> Optional[torch.Tensor]:
@@ -215,10 +267,16 @@ def step_excess(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], w
     holds the after), less decoupled weight decay, times (sqrt(v) + eps) / (sqrt(v_global) + eps) - 1. None
     when there is nothing to correct (one rank, no step yet, a parameter without a gradient, which the
     optimizer did not step, RAdam before its rectification, or a state this rule does not cover).
-    "rmsprop" / "adagrad" / "adadelta": the same with the divisors of the module docstring, from the ``change``
-    and ``aux``, the parameter's entry of :class:`GlobalBatchStep` (updated here: call once per step)."""
+    "rmsprop" / "adagrad" / "adadelta": the same with the divisors of the module docstring; "adamax" /
+    "adafactor": the divided part of the change times 1/r - 1; both from the ``change`` and ``aux``, the
+    parameter's entry of :class:`GlobalBatchStep` (updated here: call once per step)."""
     if world <= 1 or p.grad is None:
         return None
+    if kind in TRACKED:
+        if change is None or aux is None:
+            raise ValueError(f"second moment: a {kind} step is rescaled from its change and gradshare's moments "
+                             "(GlobalBatchStep)")
+        return _tracked_excess(p, state, group, world, kind, change, aux)
     if kind in OWN_MEAN:
         if change is None or aux is None:
             raise ValueError(f"second moment: a {kind} step is rescaled from its change and gradshare's mean "
@@ -285,7 +343,7 @@ def to_global(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], 
     same from ``rescale``'s mean gradient, and RMSprop's momentum with ``rescale``'s difference folded in;
     otherwise the tensor)."""
     name = kind(optimizer) if world > 1 else None
-    if name in OWN_MEAN and rescale is not None:
+    if (name in OWN_MEAN or name in TRACKED) and rescale is not None:
         yield from rescale.to_global(params, world)
         return
     groups = groups_of(optimizer) if name is not None else {}
@@ -302,7 +360,7 @@ def to_own(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], wor
     name = kind(optimizer)
     if world <= 1 or name is None:
         return
-    if name in OWN_MEAN:
+    if name in OWN_MEAN or name in TRACKED:
         if rescale is not None:
             rescale.to_own(params, world)
         return
@@ -315,9 +373,10 @@ def to_own(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], wor
 
 
 class GlobalBatchStep:
-    """This module's rule for one optimizer, and the state it keeps for RMSprop, Adagrad and Adadelta: per
-    parameter, the mean gradient (and Adagrad's running sum of its square, RMSprop's momentum of the step's
-    difference). Each rank keeps its own; the sharing fronts hold one and save it in their checkpoints."""
+    """This module's rule for one optimizer, and the state it keeps for RMSprop, Adagrad, Adadelta, Adamax and
+    Adafactor: per parameter, the mean gradient (and Adagrad's running sum of its square, RMSprop's momentum
+    of the step's difference, Adamax's and Adafactor's mean square). Each rank keeps its own; the sharing
+    fronts hold one and save it in their checkpoints."""
 
     def __init__(self, optimizer: Optional[torch.optim.Optimizer]):
         self.optimizer = optimizer
@@ -325,7 +384,7 @@ class GlobalBatchStep:
         self._aux: Dict[int, Dict[str, Any]] = {}
 
     def _entry(self, p: torch.Tensor) -> Optional[Dict[str, Any]]:
-        return self._aux.setdefault(id(p), {}) if self.kind in OWN_MEAN else None
+        return self._aux.setdefault(id(p), {}) if self.kind in OWN_MEAN or self.kind in TRACKED else None
 
     def excess(self, p: torch.Tensor, group: Dict[str, Any], world: int,
                change: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
@@ -347,38 +406,57 @@ class GlobalBatchStep:
             if g is not None:
                 _observe(self.kind, self._entry(p), g)
 
-    def _converted(self, p: torch.Tensor, factor: float) -> Optional[torch.Tensor]:
+    def _converted(self, p: torch.Tensor, world: int, inverse: bool) -> Dict[str, torch.Tensor]:
+        """The state of ``p`` that :meth:`to_global` replaces (``inverse``: :meth:`to_own`), key -> new value in
+        the optimizer's dtype: RMSprop's, Adagrad's, Adadelta's second moment with its variance part divided
+        (multiplied) by W; Adamax's infinity norm times (over) r, Adafactor's second moment times (over) r^2
+        (factored: its column factor by the mean of r^2), r from the moments this object keeps (module
+        docstring), which steps on the all-reduced gradient leave as they are."""
         st = self.optimizer.state.get(p)
         aux = self._aux.get(id(p))
         if not st or not aux or not aux.get("count"):
-            return None
-        units = _own_units(self.kind, st, groups_of(self.optimizer)[id(p)])
-        if units is None:
-            return None
-        dst = st[OWN_MEAN[self.kind]]
-        return _own_global(self.kind, st, units, aux, factor).view_as(dst).to(dst.dtype)
+            return {}
+        group = groups_of(self.optimizer)[id(p)]
+        if self.kind in OWN_MEAN:
+            units = _own_units(self.kind, st, group)
+            if units is None:
+                return {}
+            key = OWN_MEAN[self.kind]
+            return {key: _own_global(self.kind, st, units, aux, float(world) if inverse else 1.0 / world)
+                    .view_as(st[key]).to(st[key].dtype)}
+        r = _tracked_ratio(self.kind, group, aux, world)
+        if self.kind == "adamax":
+            key, factor = "exp_inf", r
+        elif st.get("variance") is not None:
+            key, factor = "variance", r * r
+        else:
+            key, factor = "col_var", (r * r).mean()
+        t = st.get(key)
+        if t is None:
+            return {}
+        if inverse:
+            factor = factor.reciprocal()
+        return {key: t.float().mul(factor if factor.dim() == 0 else factor.view_as(t)).to(t.dtype)}
 
     @torch.no_grad()
     def to_global(self, params: Iterable[torch.Tensor], world: int) -> Iterable[Tuple[torch.Tensor, torch.Tensor]]:
-        """:func:`to_global` for RMSprop, Adagrad and Adadelta."""
-        key = OWN_MEAN[self.kind]
+        """:func:`to_global` for the optimizers whose rescaling keeps state here."""
         params = list(params)
         for p in params:
             aux, st = self._aux.get(id(p)), self.optimizer.state.get(p)
             extra = aux.pop("momentum_buffer", None) if aux else None
             if extra is not None and st and st.get("momentum_buffer") is not None:
                 st["momentum_buffer"].add_(extra.view_as(st["momentum_buffer"]))
+        converted = {id(p): self._converted(p, world, inverse=False) for p in params}
         for name, p, t in state_tensors(self.optimizer, params, per_element=False):
-            src = self._converted(p, 1.0 / world) if name == key else None
-            yield (t if src is None else src), t
+            yield converted[id(p)].get(name, t), t
 
     @torch.no_grad()
     def to_own(self, params: Iterable[torch.Tensor], world: int) -> None:
-        """:func:`to_own` for RMSprop, Adagrad and Adadelta (the inverse of :meth:`to_global`)."""
+        """:func:`to_own` for the optimizers whose rescaling keeps state here (the inverse of :meth:`to_global`)."""
         for p in params:
-            own = self._converted(p, float(world))
-            if own is not None:
-                self.optimizer.state[p][OWN_MEAN[self.kind]].copy_(own)
+            for key, own in self._converted(p, world, inverse=True).items():
+                self.optimizer.state[p][key].copy_(own)
 
     def state_dict(self) -> Dict[str, Any]:
         """Each parameter's entry by its position in the optimizer's parameter groups (tensors on the CPU)."""

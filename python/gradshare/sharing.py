@@ -271,9 +271,9 @@ class Sharing:
         self._arrived: Optional[bool] = None   # delay=1: they were collected; True: each bucket's ``mean`` is to apply
         self.residual_decay = float(residual_decay)
         self.optimizer = optimizer
-        # Sharing an adaptive optimizer's updates (Adam's kin, RMSprop, Adagrad, Adadelta): each rank's step
-        # rescaled to the global batch's second moment (gradshare.second_moment); the steps leave the
-        # optimizer's state as it is.
+        # Sharing an adaptive optimizer's updates (Adam's kin, RMSprop, Adagrad, Adadelta, Adamax, Adafactor):
+        # each rank's step rescaled to the global batch's second moment (gradshare.second_moment); the steps
+        # leave the optimizer's state as it is.
         self.global_second_moment = mode == "updates" and second_moment.applies(optimizer)
         self.rescale = second_moment.GlobalBatchStep(optimizer if self.global_second_moment else None)
         chosen = as_compression(compression, clipping)
