@@ -56,7 +56,7 @@ def measure(name: str, numel: int, repeat: int):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--numel", type=int, default=3_716_096)
-    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     a = ap.parse_args(argv)
     torch.set_num_threads(1)

@@ -179,7 +179,7 @@ def _own_global(kind: str, state: Dict[str, Any], units: Tuple[torch.Tensor, flo
         m = aux["mean"] / (1.0 - MEAN_BETA ** n)
         s = m * m
     v_hat = torch.sub(v, c).div_(k)
-    s = torch.minimum(s, v_hat)
+    s = s.clamp_(max=v_hat)             # min(s, v_hat), in place (torch.minimum is several times slower on CPU)
     return v_hat.sub_(s).mul_(factor).add_(s).mul_(k).add_(c)
 
 
@@ -225,9 +225,10 @@ def _tracked_ratio(kind: str, group: Dict[str, Any], aux: Dict[str, Any], world:
     n = aux["count"]
     v = aux["square"] / (1.0 - float(group["betas"][1]) ** n) if kind == "adamax" else aux["square"]
     m = aux["mean"] / (1.0 - MEAN_BETA ** n)
-    s = torch.minimum(m * m, v)
-    ratio = torch.sub(v, s).div_(world).add_(s).div_(v.clamp_min(torch.finfo(torch.float32).tiny)).sqrt_()
-    return torch.where(v > 0, ratio, torch.ones_like(ratio))
+    s = torch.mul(m, m).clamp_(max=v)
+    # v_global / v >= 1 / W; the bound also covers v = 0 (a gradient that was always 0: nothing to divide)
+    ratio = torch.sub(v, s).div_(world).add_(s).div_(v.clamp_min(torch.finfo(torch.float32).tiny))
+    return ratio.clamp_min_(1.0 / world).sqrt_()
 
 
 def _tracked_excess(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], world: int, kind: str,
