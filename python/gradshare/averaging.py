@@ -148,7 +148,7 @@ class ParameterAveraging(WrappedOptimizer):
 
     @torch.no_grad()
     def _to_global_batch(self, before: Optional[Dict[int, torch.Tensor]] = None) -> None:
-        """The inner step just taken made the step an Adam on the global batch would take (module docstring)."""
+        """The inner step just taken made the step the optimizer on the global batch would take (module docstring)."""
         world = self.world_size
         if world <= 1 or self.rescale.kind is None:
             return

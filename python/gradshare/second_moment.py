@@ -124,8 +124,9 @@ def _global(m: torch.Tensor, v: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def _gradient(p: torch.Tensor, group: Dict[str, Any], before: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The gradient an RMSprop, Adagrad or Adadelta step divided (maximize's sign, coupled weight decay on the
-    parameters ``before`` the step), flat float32; None for a sparse or complex one (not rescaled)."""
+    """The gradient a step divided (maximize's sign, coupled weight decay on the parameters ``before`` the
+    step), flat float32, for the kinds whose moments GlobalBatchStep keeps; None for a sparse or complex one
+    (not rescaled)."""
     grad = p.grad
     if grad is None or grad.is_sparse or grad.is_complex():
         return None
@@ -137,21 +138,30 @@ def _gradient(p: torch.Tensor, group: Dict[str, Any], before: Optional[torch.Ten
     return g
 
 
-def _observe(kind: str, aux: Dict[str, Any], g: torch.Tensor) -> None:
-    """GlobalBatchStep's mean gradient (and, for Adagrad, the running sum of its square) after gradient ``g``."""
+def _observe(kind: str, aux: Dict[str, Any], g: torch.Tensor, group: Dict[str, Any]) -> None:
+    """GlobalBatchStep's moments of one parameter after gradient ``g``: the mean gradient, and for Adagrad the
+    running sum of its square, for Adamax and Adafactor the mean square of the gradient (Adamax: an average with
+    its beta2, bias-corrected when read; Adafactor: its own decay schedule, 1 - beta2_t = t^beta2_decay, which
+    needs no correction)."""
     if aux.get("mean") is None:
         aux.update(mean=torch.zeros_like(g), count=0)
         if kind == "adagrad":
             aux["signal"] = torch.zeros_like(g)
+        elif kind in TRACKED:
+            aux["square"] = torch.zeros_like(g)
     aux["mean"].lerp_(g, 1.0 - MEAN_BETA)
     aux["count"] += 1
     if kind == "adagrad":
         m = aux["mean"] / (1.0 - MEAN_BETA ** aux["count"])
         aux["signal"].addcmul_(m, m)
+    elif kind in TRACKED:
+        weight = (1.0 - float(group["betas"][1]) if kind == "adamax"
+                  else float(aux["count"]) ** float(group.get("beta2_decay", -0.8)))
+        aux["square"].lerp_(g * g, weight)
 
 
 def _own_units(kind: str, state: Dict[str, Any], group: Dict[str, Any]) -> Optional[Tuple[torch.Tensor, float, float]]:
-    """(v, c, k): an RMSprop / Adagrad / Adadelta second moment as a flat float32 copy, with v = c + k * (its
+    """(v, c, k): an RMSprop / Adagrad / Adadelta second moment as flat float32 (read only), with v = c + k * (its
     bias-corrected mean square); None before the first step or for a state this rule does not cover."""
     v, step = state.get(OWN_MEAN[kind]), state.get("step")
     if v is None or step is None or v.is_sparse or v.is_complex() or float(step) < 1:
@@ -204,7 +214,7 @@ def _own_mean_excess(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, An
     g = _gradient(p, group, p.detach().float().reshape(-1) + flat_change)
     if g is None:
         return None
-    _observe(kind, aux, g)
+    _observe(kind, aux, g, group)
     v = units[0]
     narrow = _divisor(kind, v, state, group)
     wide = _divisor(kind, _own_global(kind, state, units, aux, 1.0 / world), state, group)
@@ -246,15 +256,7 @@ def _tracked_excess(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any
     wd = float(group.get("weight_decay", 0.0))
     if decoupled and wd:                                   # p *= 1 - lr * wd came first, undivided
         flat_change.sub_(before, alpha=float(group["lr"]) * wd)
-    if aux.get("mean") is None:
-        aux.update(mean=torch.zeros_like(g), square=torch.zeros_like(g), count=0)
-    aux["count"] += 1
-    aux["mean"].lerp_(g, 1.0 - MEAN_BETA)
-    # Adamax: an average with its beta2, bias-corrected when read; Adafactor: its own decay schedule, 1 - beta2_t
-    # = t^beta2_decay, which needs no correction
-    weight = (1.0 - float(group["betas"][1]) if kind == "adamax"
-              else float(aux["count"]) ** float(group.get("beta2_decay", -0.8)))
-    aux["square"].lerp_(g * g, weight)
+    _observe(kind, aux, g, group)
     return flat_change.mul_(_tracked_ratio(kind, group, aux, world).reciprocal_().sub_(1.0)).view_as(p)
 
 
@@ -405,9 +407,9 @@ class GlobalBatchStep:
         for p in params:
             g = _gradient(p, groups[id(p)], p)
             if g is not None:
-                _observe(self.kind, self._entry(p), g)
+                _observe(self.kind, self._entry(p), g, groups[id(p)])
 
-    def _converted(self, p: torch.Tensor, world: int, inverse: bool) -> Dict[str, torch.Tensor]:
+    def _converted(self, p: torch.Tensor, group: Dict[str, Any], world: int, inverse: bool) -> Dict[str, torch.Tensor]:
         """The state of ``p`` that :meth:`to_global` replaces (``inverse``: :meth:`to_own`), key -> new value in
         the optimizer's dtype: RMSprop's, Adagrad's, Adadelta's second moment with its variance part divided
         (multiplied) by W; Adamax's infinity norm times (over) r, Adafactor's second moment times (over) r^2
@@ -417,7 +419,6 @@ class GlobalBatchStep:
         aux = self._aux.get(id(p))
         if not st or not aux or not aux.get("count"):
             return {}
-        group = groups_of(self.optimizer)[id(p)]
         if self.kind in OWN_MEAN:
             units = _own_units(self.kind, st, group)
             if units is None:
@@ -448,15 +449,17 @@ class GlobalBatchStep:
             extra = aux.pop("momentum_buffer", None) if aux else None
             if extra is not None and st and st.get("momentum_buffer") is not None:
                 st["momentum_buffer"].add_(extra.view_as(st["momentum_buffer"]))
-        converted = {id(p): self._converted(p, world, inverse=False) for p in params}
+        groups = groups_of(self.optimizer)
+        converted = {id(p): self._converted(p, groups[id(p)], world, inverse=False) for p in params}
         for name, p, t in state_tensors(self.optimizer, params, per_element=False):
             yield converted[id(p)].get(name, t), t
 
     @torch.no_grad()
     def to_own(self, params: Iterable[torch.Tensor], world: int) -> None:
         """:func:`to_own` for the optimizers whose rescaling keeps state here (the inverse of :meth:`to_global`)."""
+        groups = groups_of(self.optimizer)
         for p in params:
-            for key, own in self._converted(p, world, inverse=True).items():
+            for key, own in self._converted(p, groups[id(p)], world, inverse=True).items():
                 self.optimizer.state[p][key].copy_(own)
 
     def state_dict(self) -> Dict[str, Any]:

@@ -486,8 +486,8 @@ class Sharing:
         return out
 
     def begin_updates(self) -> None:
-        """Before the optimizer's local step: remember every bucket's parameters. After all-reduce steps, Adam's
-        second moment is made each rank's own again first (gradshare.second_moment.to_own)."""
+        """Before the optimizer's local step: remember every bucket's parameters. After all-reduce steps, the
+        optimizer's second moment is made each rank's own again first (gradshare.second_moment.to_own)."""
         if self._consistent and self.global_second_moment:
             second_moment.to_own(self.optimizer, (p for b in self.buckets for p in b.params), self.world_size,
                                  self.rescale)
@@ -589,8 +589,8 @@ class Sharing:
 
     @torch.no_grad()
     def _to_global_batch(self, b: Bucket, delta: torch.Tensor, groups: Dict[int, Dict[str, Any]]) -> None:
-        """This rank's change in ``delta`` (before - after) made the step an Adam on the global batch would
-        take (gradshare.second_moment)."""
+        """This rank's change in ``delta`` (before - after) made the step its optimizer on the global batch
+        would take (gradshare.second_moment)."""
         world = self.world_size
         for p, view in b.views(delta):
             excess = self.rescale.excess(p, groups[id(p)], world, view)
