@@ -1,10 +1,13 @@
 """What rescaling a rank's step to the global batch's second moment costs, against the optimizer's own step.
 
 Sharing an adaptive optimizer's updates (gradshare.second_moment) adds, after every local step, the
-rescaling's elementwise passes over the parameters (in torch ops: memory-bound). For each optimizer, one
-float32 parameter of ``--numel`` elements with a fresh random gradient per step, one torch thread: the median
-of ``--repeat`` timings of ``optimizer.step()`` and of ``GlobalBatchStep.excess`` (W = 2) right after it, and
-their ratio (measured in the same run).
+rescaling's elementwise passes over the parameters. For each optimizer, one float32 parameter of ``--numel``
+elements with a fresh random gradient per step, one thread (torch's and gradshare's): the median of
+``--repeat`` timings of ``optimizer.step()`` and of ``GlobalBatchStep.apply`` (W = 2) on the step's change
+right after it, as the sharing core calls it, and their ratio (measured in the same run). Adam, AdamW, NAdam
+and RAdam run the native kernel (gradshare.ops.global_batch_step); for them the last column is the same
+rescaling in torch ops (gradshare.reference.global_batch_step, what ran before the kernel), timed in the
+same steps.
 
     python bench/rescale.py                         # 3.7M elements (the MLP of bench/workloads.py)
 """
@@ -18,6 +21,7 @@ import time
 import torch
 
 OPTIMIZERS = {
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
     "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-3),
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3),
@@ -31,26 +35,37 @@ if hasattr(torch.optim, "Adafactor"):
 
 
 def measure(name: str, numel: int, repeat: int):
-    from gradshare import second_moment
+    from gradshare import reference, second_moment
 
     rows = 1024
     p = torch.nn.Parameter(torch.randn(rows, numel // rows))
     opt = OPTIMIZERS[name]([p])
+    group = opt.param_groups[0]
     rescale = second_moment.GlobalBatchStep(opt)
-    steps, excess = [], []
+    native = rescale.kind in second_moment.ADAM_FAMILY
+    steps, applied, torch_ops = [], [], []
     for _ in range(repeat + 1):
         p.grad = torch.randn_like(p)
         before = p.detach().clone()
         t0 = time.perf_counter()
         opt.step()
         t1 = time.perf_counter()
-        out = rescale.excess(p, opt.param_groups[0], 2, before - p.detach())
+        change = before.sub_(p.detach())
+        copy = change.clone()
         t2 = time.perf_counter()
-        if out is None:
+        rescale.apply(p, group, 2, change, change=change)
+        t3 = time.perf_counter()
+        if torch.equal(change, copy):
             raise RuntimeError(f"{name}: nothing rescaled")
+        if native:
+            args = second_moment._adam_family_args(p, opt.state[p], group, 2, rescale.kind, copy.view(-1))
+            t4 = time.perf_counter()
+            reference.global_batch_step(target=copy.view(-1), **args)
+            torch_ops.append(time.perf_counter() - t4)
         steps.append(t1 - t0)
-        excess.append(t2 - t1)
-    return statistics.median(steps[1:]), statistics.median(excess[1:])     # the first allocates the state
+        applied.append(t3 - t2)
+    med = lambda xs: statistics.median(xs[1:]) if xs else None     # the first step allocates the state
+    return med(steps), med(applied), med(torch_ops)
 
 
 def main(argv=None) -> int:
@@ -59,13 +74,17 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     a = ap.parse_args(argv)
+    import gradshare
+
     torch.set_num_threads(1)
+    gradshare.set_num_threads(1)
     print(f"torch {torch.__version__}, {a.numel:,} float32 elements, 1 thread, median of {a.repeat}\n")
-    print("| optimizer | optimizer.step() ms | rescaling ms | rescaling / step |")
-    print("|---|---:|---:|---:|")
+    print("| optimizer | optimizer.step() ms | rescaling ms | rescaling / step | torch ops ms (native speed-up) |")
+    print("|---|---:|---:|---:|---:|")
     for name in a.optimizers.split(","):
-        step, extra = measure(name, a.numel, a.repeat)
-        print(f"| {name} | {1e3 * step:.1f} | {1e3 * extra:.1f} | {extra / step:.2f}x |")
+        step, extra, ops_time = measure(name, a.numel, a.repeat)
+        ref = "-" if ops_time is None else f"{1e3 * ops_time:.1f} ({ops_time / extra:.1f}x)"
+        print(f"| {name} | {1e3 * step:.1f} | {1e3 * extra:.1f} | {extra / step:.2f}x | {ref} |")
     return 0
 
 

@@ -134,6 +134,32 @@ void average(uintptr_t dst, const std::vector<uintptr_t>& srcs, const std::vecto
   }
 }
 
+void rescale(uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t change, uintptr_t after, uintptr_t target, int64_t n,
+             float bias1, float bias2, float world, float eps, float lr, float decay, float sign, bool cuda,
+             uintptr_t stream) {
+  gs::RescaleArgs a;
+  a.bias1 = bias1;
+  a.bias2 = bias2;
+  a.world = world;
+  a.eps = eps;
+  a.lr = lr;
+  a.decay = decay;
+  a.sign = sign;
+  py::gil_scoped_release nogil;
+  if (cuda) {
+#ifdef GS_HAVE_CUDA
+    gs::rescale_cuda(ptr<const float>(exp_avg), ptr<const float>(exp_avg_sq), ptr<const float>(change),
+                     ptr<const float>(after), ptr<float>(target), n, a, ptr<void>(stream));
+#else
+    (void)stream;
+    no_cuda();
+#endif
+  } else {
+    gs::rescale_cpu(ptr<const float>(exp_avg), ptr<const float>(exp_avg_sq), ptr<const float>(change),
+                    ptr<const float>(after), ptr<float>(target), n, a);
+  }
+}
+
 py::dict build_info() {
   py::dict d;
   d["version"] = GS_VERSION;
@@ -169,6 +195,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("scale"), py::arg("cuda"), py::arg("stream"));
   m.def("average", &average, py::arg("dst"), py::arg("srcs"), py::arg("weights"), py::arg("n"), py::arg("cuda"),
         py::arg("stream"));
+  m.def("rescale", &rescale, py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("change"), py::arg("after"),
+        py::arg("target"), py::arg("n"), py::arg("bias1"), py::arg("bias2"), py::arg("world"), py::arg("eps"),
+        py::arg("lr"), py::arg("decay"), py::arg("sign"), py::arg("cuda"), py::arg("stream"));
   m.def("build_info", &build_info);
   m.def("cpu_threads", &gs::cpu_threads);
   m.def("set_cpu_threads", &gs::set_cpu_threads, py::arg("threads"));

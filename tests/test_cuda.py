@@ -1,6 +1,7 @@
 """The CUDA kernels against the CPU kernels, bit for bit, through gradshare.ops with CUDA tensors:
 encode (every format, dtype, clipping, density and size around the kernels' tile and word boundaries),
-count, decode (one and several messages, both formats, scales), averaging (mean, weighted, in place),
+count, decode (one and several messages, both formats, scales), averaging (mean, weighted, in place), the
+global batch's step of Adam-family optimizers (every form, in place),
 non-finite handling, malformed-message rejection (same error text as the CPU, dst untouched), the fused
 momentum of every encoder and launching on the caller's current stream. Runs only where a GPU and a CUDA build of gradshare exist."""
 import numpy as np
@@ -11,7 +12,7 @@ import gradshare
 from gradshare import message as msgfmt
 from gradshare import ops
 from gradshare.message import BITMAP, HEADER_WORDS, MAGIC_VERSION, NONFINITE, SPARSE
-from op_inputs import assert_bits_equal, make_state
+from op_inputs import assert_bits_equal, global_batch_step_case, make_state
 
 pytestmark = [
     pytest.mark.gpu,
@@ -360,6 +361,36 @@ def test_average_in_place_matches_cpu(alias, weighted):
     on_gpu = [gpu(b) for b in bufs]
     ops.average(on_gpu, weights=weights, out=on_gpu[alias])
     assert_bits_equal(on_gpu[alias], expected)
+
+
+# ---------------------------------------------------------------------------------------------------
+# global_batch_step (gradshare.second_moment's rule)
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [0, 1, 255, 257, TILE + 3, BIG])
+@pytest.mark.parametrize("form", ["adam", "change", "change_decay"])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+@pytest.mark.parametrize("world", [2, 7])
+def test_global_batch_step_matches_cpu(n, form, sign, world):
+    m, v, kw = global_batch_step_case(form, n, seed=n + world, world=world, edge=True)
+    target = torch.randn(n)
+    on_gpu = gpu(target)
+    ops.global_batch_step(m, v, target, sign=sign, **kw)
+    gkw = {k: (gpu(x) if torch.is_tensor(x) else x) for k, x in kw.items()}
+    ops.global_batch_step(gpu(m), gpu(v), on_gpu, sign=sign, **gkw)
+    assert_bits_equal(on_gpu, target)
+
+
+@pytest.mark.parametrize("alias", ["change", "after"])
+def test_global_batch_step_in_place_matches_cpu(alias):
+    m, v, kw = global_batch_step_case("change_decay", 2 * TILE + 1, seed=3, edge=True)
+    sign = 1.0 if alias == "change" else -1.0
+    target = kw[alias].clone()
+    ops.global_batch_step(m, v, target, sign=sign, **dict(kw, **{alias: target}))
+    on_gpu = gpu(kw[alias])
+    gkw = {k: (gpu(x) if torch.is_tensor(x) else x) for k, x in kw.items()}
+    ops.global_batch_step(gpu(m), gpu(v), on_gpu, sign=sign, **dict(gkw, **{alias: on_gpu}))
+    assert_bits_equal(on_gpu, target)
 
 
 def test_average_too_many_buffers_on_gpu_raises():

@@ -10,7 +10,7 @@ import gradshare
 from gradshare import message as msgfmt
 from gradshare import ops, reference
 from gradshare.message import BITMAP, NONFINITE, SPARSE
-from op_inputs import assert_bits_equal, make_state, bits
+from op_inputs import assert_bits_equal, bits, global_batch_step_case, make_state
 
 CHUNK = 2**15  # csrc/cpu/parallel.h: kChunk; kParallelMin = 2 * kChunk
 SIZES = [0, 1, 2, 15, 16, 17, 31, 33, 1000, 1023, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK - 1, 2 * CHUNK,
@@ -181,6 +181,64 @@ def test_average_into_given_out():
     out = torch.full((1000,), float("nan"))
     assert ops.average(bufs, out=out) is out
     assert_bits_equal(out, reference.average(bufs))
+
+
+GBS_FORMS = ["adam", "change", "change_decay"]
+
+
+@pytest.mark.parametrize("n", [0, 1, 17, 2 * CHUNK + 1, BIG])
+@pytest.mark.parametrize("form", GBS_FORMS)
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+@pytest.mark.parametrize("world", [1, 2, 7])
+def test_global_batch_step_matches_reference(n, form, sign, world):
+    m, v, kw = global_batch_step_case(form, n, seed=n + world, world=world, edge=True, nonfinite=True)
+    target = torch.randn(n)
+    expected = target.clone()
+    reference.global_batch_step(m, v, expected, sign=sign, **kw)
+    ops.global_batch_step(m, v, target, sign=sign, **kw)
+    assert_bits_equal(target, expected)
+    if world == 1 and n >= 8:                 # one rank: its own batch is the global batch, nothing changes
+        finite = torch.isfinite(m) & torch.isfinite(v)
+        assert torch.equal(target[8:][finite[8:]], expected[8:][finite[8:]])
+
+
+@pytest.mark.parametrize("alias", ["change", "after"])
+def test_global_batch_step_in_place(alias):
+    """The sharing core rescales its change buffer in place, local steps the parameters (also ``after``)."""
+    n = 2 * CHUNK + 5
+    m, v, kw = global_batch_step_case("change_decay", n, seed=3)
+    target = kw[alias].clone()
+    expected = target.clone()
+    ref_kw = dict(kw, **{alias: expected.clone()})
+    reference.global_batch_step(m, v, expected, sign=1.0 if alias == "change" else -1.0, **ref_kw)
+    ops.global_batch_step(m, v, target, sign=1.0 if alias == "change" else -1.0, **dict(kw, **{alias: target}))
+    assert_bits_equal(target, expected)
+    assert not torch.equal(target, kw[alias])
+
+
+def test_global_batch_step_threads_agree(threads):
+    m, v, kw = global_batch_step_case("adam", BIG, seed=9)
+    out = []
+    for t in (1, 2, 4):
+        threads(t)
+        target = torch.zeros(BIG)
+        ops.global_batch_step(m, v, target, **kw)
+        out.append(target)
+    assert_bits_equal(out[0], out[1])
+    assert_bits_equal(out[0], out[2])
+
+
+def test_global_batch_step_is_the_step_with_the_global_second_moment():
+    """The rule itself, in float64: the rank's change (before - after) lr m / (sqrt(v) + eps) plus the excess
+    is lr m / (sqrt(v_global) + eps), v_global = m^2 + max(v - m^2, 0) / W."""
+    m, v, kw = global_batch_step_case("adam", 4096, seed=4, world=4)
+    md, vd = m.double() / kw["bias1"], v.double() / kw["bias2"]
+    vg = md * md + (vd - md * md).clamp_min(0) / 4
+    own = kw["lr"] * md / (vd.sqrt() + kw["eps"])
+    target = own.float()
+    ops.global_batch_step(m, v, target, **kw)
+    torch.testing.assert_close(target.double(), kw["lr"] * md / (vg.sqrt() + kw["eps"]), rtol=1e-5, atol=1e-12)
+    assert (vg < vd).any()                   # noise-dominated entries: the global step is larger
 
 
 def test_shaped_tensors_are_flattened():
@@ -398,6 +456,16 @@ def test_opcheck_average():
     bufs = [torch.randn(700) for _ in range(4)]
     _opcheck(torch.ops.gradshare.average.default, (torch.empty(700), bufs, None))
     _opcheck(torch.ops.gradshare.average.default, (torch.empty(700), bufs, [0.1, 0.2, 0.3, 0.4]))
+
+
+def test_opcheck_global_batch_step():
+    m, v, kw = global_batch_step_case("change_decay", 700, seed=2)
+    _opcheck(torch.ops.gradshare.global_batch_step.default,
+             (m, v, torch.randn(700), kw["change"], kw["after"], kw["bias1"], kw["bias2"], 2.0, kw["eps"], 0.0,
+              kw["decay"], -1.0))
+    m, v, kw = global_batch_step_case("adam", 700, seed=2)
+    _opcheck(torch.ops.gradshare.global_batch_step.default,
+             (m, v, torch.randn(700), None, None, kw["bias1"], kw["bias2"], 2.0, kw["eps"], kw["lr"], 0.0, 1.0))
 
 
 def _train_step(update, residual, dst, params):

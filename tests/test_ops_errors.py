@@ -316,6 +316,49 @@ def test_average_checks(call, exc, pattern):
         assert torch.equal(x, y)
 
 
+def _gbs(target=None, **kw):
+    g = torch.Generator().manual_seed(5)
+    m, v = torch.randn(N, generator=g), torch.rand(N, generator=g)
+    args = dict(bias1=0.1, bias2=0.01, world=2, eps=1e-8, lr=1e-3)
+    args.update(kw)
+    return m, v, (torch.zeros(N) if target is None else target), args
+
+
+@pytest.mark.parametrize("kw,exc,pattern", [
+    (dict(target=torch.zeros(N, dtype=torch.float64)), TypeError, r"^target: dtype float64"),
+    (dict(target=torch.zeros(N + 1)), ValueError, rf"^target: {N + 1} elements but target|^exp_avg: {N} elements"),
+    (dict(target=torch.zeros(N, 2)[:, 0]), ValueError, r"^target: must be contiguous"),
+    (dict(change=torch.zeros(N, dtype=torch.bfloat16)), TypeError, r"^change: dtype bfloat16"),
+    (dict(change=torch.zeros(N - 1)), ValueError, rf"^change: {N - 1} elements but target has {N}"),
+    (dict(after=torch.zeros(N)), ValueError, r"^after / decay: only with change"),
+    (dict(change=torch.zeros(N), decay=0.1), ValueError, r"^after: required with a decoupled weight decay"),
+    (dict(bias1=0.0), ValueError, r"^bias1, bias2: 1 - beta\^t lies in \(0, 1\]"),
+    (dict(bias2=1.5), ValueError, r"^bias1, bias2: "),
+    (dict(bias1=float("nan")), ValueError, r"^bias1: must be finite"),
+    (dict(world=0), ValueError, r"^world: a number of ranks >= 1, got 0"),
+    (dict(world=2.5), ValueError, r"^world: a number of ranks >= 1, got 2.5"),
+    (dict(eps=-1.0), ValueError, r"^eps: must be >= 0"),
+    (dict(lr=float("inf")), ValueError, r"^lr: must be finite"),
+    (dict(sign=0.5), ValueError, r"^sign: \+1 \(add\) or -1 \(subtract\), got 0.5"),
+], ids=["target_f64", "target_size", "target_strided", "change_bf16", "change_size", "after_alone", "decay_alone",
+        "bias1_zero", "bias2_above_1", "bias1_nan", "world_zero", "world_float", "eps_negative", "lr_inf", "sign"])
+def test_global_batch_step_checks(kw, exc, pattern):
+    m, v, target, args = _gbs(kw.pop("target", None), **kw)
+    before = target.clone()
+    with pytest.raises(exc, match=pattern):
+        ops.global_batch_step(m, v, target, **args)
+    assert torch.equal(target, before)
+
+
+def test_global_batch_step_refuses_a_target_over_the_moments():
+    m, v, _, args = _gbs()
+    with pytest.raises(ValueError, match=r"^target: overlaps exp_avg_sq; the moments are only read"):
+        ops.global_batch_step(m, v, v, **args)
+    base = torch.zeros(N + 1)
+    with pytest.raises(ValueError, match=r"^target: overlaps change at an offset"):
+        ops.global_batch_step(m, v, base[1:], change=base[:N], bias1=0.1, bias2=0.1, world=2, eps=1e-8)
+
+
 # ---------------------------------------------------------------------------------------------------
 # outputs the ops must refuse to write
 # ---------------------------------------------------------------------------------------------------

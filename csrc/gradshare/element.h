@@ -121,4 +121,54 @@ inline float lane_tree(float* acc) {
   return acc[0];
 }
 
+// ---- the global batch's step (csrc/cpu/rescale.cpp, csrc/cuda/rescale.cu; gradshare/second_moment.py's rule)
+
+// Scalars of one rescaled parameter, rounded to float32 once by the caller (as torch rounds a Python scalar).
+struct RescaleArgs {
+  float bias1 = 1.0f;  // 1 - beta1^t: exp_avg / bias1 is the bias-corrected mean m
+  float bias2 = 1.0f;  // 1 - beta2^t: exp_avg_sq / bias2 is the bias-corrected second moment v
+  float world = 1.0f;  // W, the ranks whose batches make the global batch
+  float eps = 0.0f;    // the optimizer's eps (RAdam's already divided by sqrt(1 - beta2^t))
+  float lr = 0.0f;     // Adam form only: the step's learning rate
+  float decay = 0.0f;  // change form only: lr * weight_decay when the decay is decoupled (undivided), else 0
+  float sign = 1.0f;   // +1: target += excess (a change, before - after); -1: target -= excess (parameters)
+};
+
+GS_HD float sqrt_rn(float x) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(x);
+#else
+  return std::sqrt(x);
+#endif
+}
+
+// v_global = m^2 + max(v - m^2, 0) / W: the second moment a W times larger batch would have. A NaN stays NaN.
+GS_HD float global_second_moment(float m, float v, float world) {
+  const float m2 = m * m;
+  const float d = v - m2;
+  return (d < 0.0f ? 0.0f : d) / world + m2;
+}
+
+// Adam / AdamW: lr * m * (1 / (sqrt(v_global) + eps) - 1 / (sqrt(v) + eps)), what the rank's step
+// -lr * m / (sqrt(v) + eps) falls short of the global batch's, rounded step by step as the torch ops of
+// gradshare/second_moment.py round it.
+GS_HD float adam_excess(float exp_avg, float exp_avg_sq, const RescaleArgs& a) {
+  const float m = exp_avg / a.bias1, v = exp_avg_sq / a.bias2;
+  const float wide = 1.0f / (sqrt_rn(global_second_moment(m, v, a.world)) + a.eps);
+  const float narrow = 1.0f / (sqrt_rn(v) + a.eps);
+  return (wide - narrow) * m * a.lr;
+}
+
+// NAdam / RAdam: the step's divided change (change, less the decoupled decay lr * wd * the parameter before
+// the step, after + change) times (sqrt(v) + eps) / (sqrt(v_global) + eps) - 1.
+GS_HD float change_excess(float exp_avg, float exp_avg_sq, float change, float after, const RescaleArgs& a) {
+  const float m = exp_avg / a.bias1, v = exp_avg_sq / a.bias2;
+  const float ratio = (sqrt_rn(v) + a.eps) / (sqrt_rn(global_second_moment(m, v, a.world)) + a.eps) - 1.0f;
+  const float divided = a.decay != 0.0f ? change - (after + change) * a.decay : change;
+  return divided * ratio;
+}
+
+// The target after the excess: one rounding, t + e or t - e.
+GS_HD float apply_excess(float t, float e, float sign) { return sign > 0.0f ? t + e : t - e; }
+
 }  // namespace gs

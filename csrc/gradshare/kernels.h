@@ -81,6 +81,11 @@ ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, const float*
                                  const Momentum& mo = {});
 // dst = sum_j weights[j] * srcs[j] (weights == nullptr: the mean). dst may be one of srcs.
 void average_cpu(float* dst, const float* const* srcs, int64_t k, const float* weights, int64_t n);
+// target[i] +-= the excess of element i (element.h): adam_excess from the optimizer's moments (change ==
+// nullptr), or change_excess of the step's change (after: the parameters after the step, read only when
+// a.decay != 0). n floats each; target may be `change` itself (in place), and overlaps nothing else.
+void rescale_cpu(const float* exp_avg, const float* exp_avg_sq, const float* change, const float* after,
+                 float* target, int64_t n, const RescaleArgs& a);
 
 int cpu_threads();
 void set_cpu_threads(int threads);
@@ -103,6 +108,8 @@ ChunkedResult encode_ternary_cuda(const void* update, int32_t dtype, const float
                                   const Momentum& mo = {});
 // srcs and weights are host arrays of device pointers / host floats.
 void average_cuda(float* dst, const float* const* srcs, int64_t k, const float* weights, int64_t n, void* stream);
+void rescale_cuda(const float* exp_avg, const float* exp_avg_sq, const float* change, const float* after,
+                  float* target, int64_t n, const RescaleArgs& a, void* stream);
 int cuda_device_count();
 #endif
 
@@ -162,6 +169,21 @@ inline int32_t choose_format(int32_t choice, int64_t count, int64_t n, int64_t c
     throw std::invalid_argument("out: message needs " + std::to_string(need) + " words, capacity is " +
                                 std::to_string(capacity));
   return format;
+}
+
+inline void check_rescale_args(const float* exp_avg, const float* exp_avg_sq, const float* change, const float* after,
+                               const float* target, int64_t n, const RescaleArgs& a) {
+  if (n < 0) throw std::invalid_argument("n must be >= 0");
+  if (n > 0 && (exp_avg == nullptr || exp_avg_sq == nullptr || target == nullptr))
+    throw std::invalid_argument("exp_avg, exp_avg_sq and target are required");
+  if (n > 0 && change != nullptr && a.decay != 0.0f && after == nullptr)
+    throw std::invalid_argument("after: required with a decoupled weight decay");
+  if (!(a.bias1 > 0.0f) || !(a.bias2 > 0.0f) || !is_finite(a.bias1) || !is_finite(a.bias2))
+    throw std::invalid_argument("bias corrections must be positive and finite");
+  if (!(a.world >= 1.0f) || !is_finite(a.world)) throw std::invalid_argument("world must be >= 1");
+  if (!(a.eps >= 0.0f) || !is_finite(a.eps)) throw std::invalid_argument("eps must be >= 0 and finite");
+  if (!is_finite(a.lr) || !is_finite(a.decay)) throw std::invalid_argument("lr and decay must be finite");
+  if (a.sign != 1.0f && a.sign != -1.0f) throw std::invalid_argument("sign must be +1 or -1");
 }
 
 }  // namespace gs

@@ -33,6 +33,11 @@ def decode(dst: int, n: int, msgs: int, num_msgs: int, row_words: int, scale: fl
 def average(dst: int, srcs: List[int], weights: List[float], n: int, cuda: bool, stream: int) -> None:
     """dst = sum of weights[i] * srcs[i] (equal weights when empty)."""
 
+def rescale(exp_avg: int, exp_avg_sq: int, change: int, after: int, target: int, n: int, bias1: float, bias2: float,
+            world: float, eps: float, lr: float, decay: float, sign: float, cuda: bool, stream: int) -> None:
+    """target += sign * the excess of the global batch's step over a rank's own (Adam form when change is 0,
+    else the change form; after is read only when decay != 0)."""
+
 def build_info() -> Dict[str, Union[bool, int, str]]: ...
 def cpu_threads() -> int: ...
 def set_cpu_threads(threads: int) -> None: ...

@@ -155,9 +155,7 @@ class ParameterAveraging(WrappedOptimizer):
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 change = None if before is None else before[id(p)] - p.detach()
-                excess = self.rescale.excess(p, group, world, change)
-                if excess is not None:
-                    p.sub_(excess.to(p.dtype))
+                self.rescale.apply(p, group, world, p.data, change=change, sign=-1.0)
 
     def due(self, step: int) -> bool:
         """Whether an averaging round follows optimizer step number ``step`` (1-based)."""

@@ -281,6 +281,25 @@ def _(out, buffers, weights):
     return None
 
 
+def _global_batch_step_impl(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, target: torch.Tensor,
+                            change: Optional[torch.Tensor], after: Optional[torch.Tensor], bias1: float, bias2: float,
+                            world: float, eps: float, lr: float, decay: float, sign: float) -> None:
+    if _native.available():
+        _native.rescale(exp_avg, exp_avg_sq, change, after, target, bias1, bias2, world, eps, lr, decay, sign)
+    else:
+        reference.global_batch_step(exp_avg, exp_avg_sq, target, bias1, bias2, world, eps, lr, change, after, decay,
+                                    sign)
+
+
+_global_batch_step_op = torch.library.custom_op("gradshare::global_batch_step", _global_batch_step_impl,
+                                                mutates_args=("target",))
+
+
+@_global_batch_step_op.register_fake
+def _(exp_avg, exp_avg_sq, target, change, after, bias1, bias2, world, eps, lr, decay, sign):
+    return None
+
+
 def _run(op, impl, *args):
     """Eager calls on plain tensors go straight to the implementation: the custom-op dispatcher costs
     tens of microseconds a call, which small DDP buckets feel. Tracing (torch.compile, fake tensors,
@@ -588,3 +607,56 @@ def average(buffers: Sequence[ArrayLike], *, weights: Optional[Sequence[float]] 
     if out is not None:
         return out
     return o.numpy() if as_numpy else o
+
+
+def global_batch_step(exp_avg: ArrayLike, exp_avg_sq: ArrayLike, target: ArrayLike, *, bias1: float, bias2: float,
+                      world: int, eps: float, lr: float = 0.0, change: Optional[ArrayLike] = None,
+                      after: Optional[ArrayLike] = None, decay: float = 0.0, sign: float = 1.0) -> None:
+    """Adds to ``target`` (``sign`` -1: subtracts) how far a rank's Adam-family step falls short of the step
+    on the global batch of ``world`` ranks (gradshare.second_moment), in one pass over memory.
+
+    ``exp_avg`` / ``exp_avg_sq``: the optimizer's moments (amsgrad: its running maximum), divided by ``bias1``
+    / ``bias2`` (1 - beta^t) into m and v; v_global = m^2 + max(v - m^2, 0) / W. Without ``change`` (Adam,
+    AdamW) the excess is lr * m * (1 / (sqrt(v_global) + eps) - 1 / (sqrt(v) + eps)); with it (NAdam, RAdam:
+    the step's change, before - after) it is the change less ``decay`` (lr * weight decay, when decoupled)
+    times the parameters before the step (``after`` + change), times (sqrt(v) + eps) / (sqrt(v_global) + eps)
+    - 1. All float32, contiguous, of one size and device; ``target`` may be ``change`` or ``after`` itself,
+    and overlaps nothing else. Bit for bit as gradshare.reference.global_batch_step.
+    """
+    names = ("exp_avg", "exp_avg_sq", "target", "change", "after")
+    given = [(n, _as_tensor(t, n, written=(n == "target"))) for n, t in zip(names, (exp_avg, exp_avg_sq, target,
+                                                                                   change, after)) if t is not None]
+    ts = dict(given)
+    tgt = ts["target"]
+    for n, t in given:
+        _check_flat(t, n, (torch.float32,))
+        _check_same_device(tgt, t, "target", n)
+        if t.numel() != tgt.numel():
+            raise ValueError(f"{n}: {t.numel()} elements but target has {tgt.numel()}")
+    decay, sign = float(decay), float(sign)
+    if change is None and (after is not None or decay != 0.0):
+        raise ValueError("after / decay: only with change (the NAdam / RAdam form)")
+    if decay != 0.0 and after is None:
+        raise ValueError("after: required with a decoupled weight decay (decay != 0)")
+    for n in ("exp_avg", "exp_avg_sq"):
+        if _overlap(tgt, ts[n]):
+            raise ValueError(f"target: overlaps {n}; the moments are only read")
+    for n in ("change", "after"):
+        if n in ts and _overlap(tgt, ts[n]) and tgt.data_ptr() != ts[n].data_ptr():
+            raise ValueError(f"target: overlaps {n} at an offset; pass that very buffer or separate memory")
+    scalars = {"bias1": bias1, "bias2": bias2, "world": world, "eps": eps, "lr": lr, "decay": decay}
+    for n, x in scalars.items():
+        if not math.isfinite(float(x)):
+            raise ValueError(f"{n}: must be finite, got {x}")
+    if not (0.0 < float(bias1) <= 1.0 and 0.0 < float(bias2) <= 1.0):
+        raise ValueError(f"bias1, bias2: 1 - beta^t lies in (0, 1], got {bias1}, {bias2}")
+    if isinstance(world, bool) or not isinstance(world, (int, np.integer)) or world < 1:
+        raise ValueError(f"world: a number of ranks >= 1, got {world!r}")
+    if float(eps) < 0.0:
+        raise ValueError(f"eps: must be >= 0, got {eps}")
+    if sign not in (1.0, -1.0):
+        raise ValueError(f"sign: +1 (add) or -1 (subtract), got {sign}")
+    flat = {n: t.view(-1) for n, t in ts.items()}
+    _run(_global_batch_step_op, _global_batch_step_impl, flat["exp_avg"], flat["exp_avg_sq"], flat["target"],
+         flat.get("change"), flat.get("after"), float(bias1), float(bias2), float(world), float(eps), float(lr),
+         decay, sign)

@@ -457,3 +457,37 @@ def average(buffers: Sequence[torch.Tensor], weights: Optional[Sequence[float]] 
     for b, w in zip(buffers[1:], weights[1:]):
         acc = acc + b * _f32(w)
     return acc
+
+
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """The float32 square root rounded to nearest, as IEEE and the kernels round it (torch's own CPU sqrt may
+    be an ulp off: it takes the float64 root, exact before its one rounding to float32)."""
+    return x.double().sqrt_().float()
+
+
+def global_second_moment(m: torch.Tensor, v: torch.Tensor, world: float) -> torch.Tensor:
+    """v_global = m^2 + max(v - m^2, 0) / W (gradshare.second_moment); ``v`` is left as it is."""
+    m2 = m * m
+    return torch.sub(v, m2).clamp_min_(0.0).div_(world).add_(m2)
+
+
+def global_batch_step(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, target: torch.Tensor, bias1: float,
+                      bias2: float, world: float, eps: float, lr: float = 0.0, change: Optional[torch.Tensor] = None,
+                      after: Optional[torch.Tensor] = None, decay: float = 0.0, sign: float = 1.0) -> None:
+    """target +-= the excess of the global batch's step over a rank's own (csrc/gradshare/element.h:
+    adam_excess without ``change``, change_excess with it), in float32 torch ops."""
+    m = exp_avg.float() / bias1
+    v = exp_avg_sq.float() / bias2
+    wide = sqrt_rn(global_second_moment(m, v, world)).add_(eps)
+    narrow = sqrt_rn(v).add_(eps)
+    if change is None:
+        excess = wide.reciprocal_().sub_(narrow.reciprocal_()).mul_(m).mul_(lr)
+    else:
+        divided = change.float()
+        if decay != 0.0:
+            divided = divided - torch.add(after.float(), divided).mul_(decay)
+        excess = divided * narrow.div_(wide).sub_(1.0)
+    if sign > 0:
+        target.add_(excess.view_as(target))
+    else:
+        target.sub_(excess.view_as(target).to(target.dtype))

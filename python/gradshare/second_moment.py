@@ -65,6 +65,7 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
 
+from gradshare import ops, reference
 from gradshare.optimizer_state import state_tensors
 
 CORRECTED = (torch.optim.Adam, torch.optim.AdamW)     # the step from the moments alone
@@ -75,6 +76,7 @@ MEAN_BETA = 0.9                                        # that mean's decay: Adam
 # Optimizers whose divisor is no mean square of the gradient (Adamax's infinity norm, Adafactor's factored
 # estimate): GlobalBatchStep keeps the mean and the mean square itself, and rescales by their ratio.
 TRACKED = ("adamax", "adafactor")
+ADAM_FAMILY = ("adam", "nadam", "radam")               # rescaled from the optimizer's own moments, natively
 
 
 def applies(optimizer: Optional[torch.optim.Optimizer]) -> bool:
@@ -115,12 +117,6 @@ def _moments(state: Dict[str, Any], group: Dict[str, Any]) -> Optional[Tuple[tor
         return None
     b1, b2 = (float(b) for b in group["betas"])
     return m.float() / (1.0 - b1 ** t), v.float() / (1.0 - b2 ** t), t
-
-
-def _global(m: torch.Tensor, v: torch.Tensor, world: int) -> torch.Tensor:
-    """v_global = m^2 + max(v - m^2, 0) / W (module docstring); ``v`` is left as it is."""
-    m2 = m * m
-    return torch.sub(v, m2).clamp_min_(0.0).div_(world).add_(m2)
 
 
 def _gradient(p: torch.Tensor, group: Dict[str, Any], before: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -286,29 +282,55 @@ def step_excess(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], w
                              "gradient (GlobalBatchStep); "
                              + ("no change was given" if change is None else "no state was given"))
         return _own_mean_excess(p, state, group, world, kind, change, aux)
-    mv = _moments(state, group)
-    if mv is None:
+    target = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+    return target if _apply_adam_family(p, state, group, world, kind, change, target, 1.0) else None
+
+
+def _adam_family_args(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], world: int, kind: str,
+                      change: Optional[torch.Tensor]) -> Optional[Dict[str, Any]]:
+    """The arguments of gradshare.ops.global_batch_step for an Adam, AdamW, NAdam or RAdam step (less the
+    target); None when there is nothing to correct."""
+    m = state.get("exp_avg")
+    v = state.get("max_exp_avg_sq") if group.get("amsgrad") else state.get("exp_avg_sq")
+    step = state.get("step")
+    if m is None or v is None or step is None or m.is_complex():
         return None
-    m, v, t = mv
+    t = float(step)
+    if t < 1:
+        return None
+    b1, b2 = (float(b) for b in group["betas"])
     lr, eps = float(group["lr"]), float(group["eps"])
+    args = dict(exp_avg=m.detach().reshape(-1), exp_avg_sq=v.detach().reshape(-1), bias1=1.0 - b1 ** t,
+                bias2=1.0 - b2 ** t, world=world, eps=eps)
     if kind == "adam":
-        wide = _global(m, v, world).sqrt_().add_(eps).reciprocal_()
-        narrow = v.sqrt_().add_(eps).reciprocal_()
-        return wide.sub_(narrow).mul_(m).mul_(lr).view_as(p)
+        return dict(args, lr=lr)
     if change is None:
         raise ValueError(f"second moment: a {kind} step is rescaled from its change; none was given")
-    b2 = float(group["betas"][1])
     if kind == "radam":
         rho_inf = 2.0 / (1.0 - b2) - 1.0
         if rho_inf - 2.0 * t * b2 ** t / (1.0 - b2 ** t) <= 5.0:    # not rectified yet: no division by v
             return None
-        eps = eps / (1.0 - b2 ** t) ** 0.5                            # RAdam adds eps before bias correction
-    adaptive = change.detach().float().reshape(-1).clone()
+        args["eps"] = eps / (1.0 - b2 ** t) ** 0.5                    # RAdam adds eps before bias correction
+    args["change"] = change.detach().reshape(-1)
     wd = float(group.get("weight_decay", 0.0))
     if wd and group.get("decoupled_weight_decay", False):           # p *= 1 - lr * wd came first, undivided
-        adaptive.sub_(torch.add(p.detach().float().reshape(-1), adaptive), alpha=lr * wd)
-    ratio = v.sqrt().add_(eps).div_(_global(m, v, world).sqrt_().add_(eps)).sub_(1.0)
-    return adaptive.mul_(ratio.reshape(-1)).view_as(p)
+        args.update(after=p.detach().reshape(-1), decay=lr * wd)
+    return args
+
+
+def _apply_adam_family(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], world: int, kind: str,
+                       change: Optional[torch.Tensor], target: torch.Tensor, sign: float) -> bool:
+    """target +-= :func:`step_excess` of an Adam-family step (gradshare.ops.global_batch_step: one native pass
+    where every tensor is contiguous float32, the same float32 torch ops otherwise); False: nothing to do."""
+    args = _adam_family_args(p, state, group, world, kind, change)
+    if args is None:
+        return False
+    tensors = [target] + [args[k] for k in ("exp_avg", "exp_avg_sq", "change", "after") if k in args]
+    if all(x.dtype == torch.float32 and x.is_contiguous() for x in tensors):
+        ops.global_batch_step(target=target.view(-1), sign=sign, **args)
+    else:
+        reference.global_batch_step(target=target, sign=sign, **args)
+    return True
 
 
 def _converted(state: Dict[str, Any], group: Dict[str, Any], factor: float) -> Optional[torch.Tensor]:
@@ -396,6 +418,25 @@ class GlobalBatchStep:
         if not st:
             return None
         return step_excess(p, st, group, world, self.kind, change, self._entry(p))
+
+    @torch.no_grad()
+    def apply(self, p: torch.Tensor, group: Dict[str, Any], world: int, target: torch.Tensor,
+              change: Optional[torch.Tensor] = None, sign: float = 1.0) -> None:
+        """Makes the step the optimizer just took on ``p`` the global batch's: ``target`` += :meth:`excess`
+        (the step's change, before - after, which ``target`` may be) or, with ``sign`` -1, ``target`` -= it
+        (the parameters after the step). Adam, AdamW, NAdam and RAdam in one native pass over memory."""
+        st = self.optimizer.state.get(p) if self.kind is not None else None
+        if not st or world <= 1 or p.grad is None:
+            return
+        if self.kind in ADAM_FAMILY:
+            _apply_adam_family(p, st, group, world, self.kind, change, target, sign)
+            return
+        excess = step_excess(p, st, group, world, self.kind, change, self._entry(p))
+        if excess is not None:
+            if sign > 0:
+                target.add_(excess)
+            else:
+                target.sub_(excess.to(target.dtype))
 
     @torch.no_grad()
     def observe(self, params: Iterable[torch.Tensor], world: int) -> None:

@@ -593,9 +593,7 @@ class Sharing:
         would take (gradshare.second_moment)."""
         world = self.world_size
         for p, view in b.views(delta):
-            excess = self.rescale.excess(p, groups[id(p)], world, view)
-            if excess is not None:
-                view.add_(excess)
+            self.rescale.apply(p, groups[id(p)], world, view, change=view)
 
     @torch.no_grad()
     def apply_outer(self, outer: torch.optim.Optimizer) -> None:
