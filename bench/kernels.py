@@ -22,6 +22,9 @@ For each n (float32) and density, times through the public gradshare.ops API:
     ternary_decode4  four Ternary messages (a 4-worker exchange) decoded into one buffer; "naive" unpacks
                each message's codes in torch and adds them (8n + n/4 bytes a message)
     average4   mean of 4 buffers into a preallocated output (independent of density: once per n)
+    global_batch_step  an AdamW step made the global batch's (gradshare.second_moment: 2 ranks, the Adam
+               form): read exp_avg and exp_avg_sq, add the excess into the step's change (16n bytes; once
+               per n); "naive" is gradshare.reference's torch ops, checked bit for bit against it first
 
 Each op is compared, in the same run and interleaved repeat by repeat, with
   * naive: the same result from several plain torch passes (add, abs, compare, nonzero, index, sub, ...),
@@ -29,7 +32,8 @@ Each op is compared, in the same run and interleaved repeat by repeat, with
     sent unrounded; ternary: per-chunk threshold, mask and scale in torch);
   * membound: torch.add(a, b, out=c) over m float32 elements with 12*m = the op's minimum bytes moved
     (encode: read update + residual, write residual = 12n, so m = n; average4: 4 reads + 1 write = 20n, so
-    m = 5n/3; momentum: read update, velocity, residual, write velocity and kept = 20n; count: 8n; decode:
+    m = 5n/3; momentum: read update, velocity, residual, write velocity and kept = 20n; count: 8n;
+    global_batch_step: read the two moments, read and write the change = 16n; decode:
     message + read-modify-write of the touched elements = 12*count).
 
 Reported: median time of the repeats after warm-up, GB/s of the fused op (minimum bytes / time), the speedup
@@ -55,7 +59,7 @@ import torch
 
 import gradshare
 from gradshare import message as msgfmt
-from gradshare import ops
+from gradshare import ops, reference
 
 TAU = 1e-3
 TARGETS = {  # at n = 2^24, density 1e-3 (issue 2)
@@ -318,6 +322,25 @@ def bench_n(n: int, densities, device, repeats: int, warmup: int) -> list:
                 "naive": (nothing, lambda: naive_average(bufs, out)),
                 "membound": membound_variant(m, device)}
     rows.append(record("average4", n, None, None, nbytes, m, measure(timer, variants, repeats, warmup)))
+    # the global batch's step does not depend on the density either
+    g = torch.Generator().manual_seed(n)
+    exp_avg = (torch.randn(n, generator=g) * 1e-3).to(device)
+    exp_avg_sq = (exp_avg.cpu() ** 2 * 3 + torch.rand(n, generator=g) * 1e-6).to(device)
+    change0 = (torch.randn(n, generator=g) * 1e-3).to(device)
+    change, change_naive = change0.clone(), change0.clone()
+    kw = dict(bias1=0.651, bias2=0.0296, world=2, eps=1e-8, lr=3e-3)
+    ops.global_batch_step(exp_avg, exp_avg_sq, change, **kw)
+    reference.global_batch_step(exp_avg, exp_avg_sq, change_naive, **kw)
+    if not torch.equal(change, change_naive):
+        raise AssertionError(f"global_batch_step and its torch reference disagree at n={n}")
+    nbytes = 16 * n
+    variants = {"fused": (lambda: change.copy_(change0),
+                          lambda: ops.global_batch_step(exp_avg, exp_avg_sq, change, **kw)),
+                "naive": (lambda: change_naive.copy_(change0),
+                          lambda: reference.global_batch_step(exp_avg, exp_avg_sq, change_naive, **kw)),
+                "membound": membound_variant(nbytes // 12, device)}
+    rows.append(record("global_batch_step", n, None, None, nbytes, nbytes // 12,
+                       measure(timer, variants, repeats, warmup)))
     return rows
 
 
@@ -403,7 +426,8 @@ def main(argv=None) -> int:
             "device": str(device), "threads": a.threads, "torch": torch.__version__, "cpu": cpu,
             "gradshare": gradshare.build_info(), "repeats": repeats, "warmup": warmup, "tau": TAU,
             "membound": "torch.add(a, b, out=c) over m float32 elements, 12*m = the op's bytes",
-            "naive_average": "torch.mean(torch.stack(bufs), dim=0, out=out)"}
+            "naive_average": "torch.mean(torch.stack(bufs), dim=0, out=out)",
+            "naive_global_batch_step": "gradshare.reference.global_batch_step (float32 torch ops, float64 sqrt)"}
     print(f"device {device}, {a.threads} threads, torch {torch.__version__}, {cpu}; median of {repeats} "
           f"after {warmup} warm-up")
     print()

@@ -58,6 +58,11 @@ switch to it and back multiplies and divides the optimizer's state by the same r
 Adafactor's ``variance`` by r^2, or its column factor by the mean of r^2).
 
 Optimizers gradshare does not know share their steps as they are.
+
+For Adam, AdamW, NAdam and RAdam the rule runs as one native pass over the moments and the change
+(gradshare.ops.global_batch_step; its element logic is csrc/gradshare/element.h's, shared by the CPU and
+CUDA kernels, its pure-torch reference gradshare.reference.global_batch_step); the other optimizers' in torch
+ops here.
 """
 from __future__ import annotations
 
