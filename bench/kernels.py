@@ -25,6 +25,9 @@ For each n (float32) and density, times through the public gradshare.ops API:
     global_batch_step  an AdamW step made the global batch's (gradshare.second_moment: 2 ranks, the Adam
                form): read exp_avg and exp_avg_sq, add the excess into the step's change (16n bytes; once
                per n); "naive" is gradshare.reference's torch ops, checked bit for bit against it first
+    global_batch_step_tracked  the same for RMSprop with momentum (global_batch_step_tracked): read the
+               gradient, its second moment, the change, gradshare's mean gradient and momentum buffer, write
+               the last three (32n bytes; once per n)
 
 Each op is compared, in the same run and interleaved repeat by repeat, with
   * naive: the same result from several plain torch passes (add, abs, compare, nonzero, index, sub, ...),
@@ -33,7 +36,8 @@ Each op is compared, in the same run and interleaved repeat by repeat, with
   * membound: torch.add(a, b, out=c) over m float32 elements with 12*m = the op's minimum bytes moved
     (encode: read update + residual, write residual = 12n, so m = n; average4: 4 reads + 1 write = 20n, so
     m = 5n/3; momentum: read update, velocity, residual, write velocity and kept = 20n; count: 8n;
-    global_batch_step: read the two moments, read and write the change = 16n; decode:
+    global_batch_step: read the two moments, read and write the change = 16n; global_batch_step_tracked:
+    32n; decode:
     message + read-modify-write of the touched elements = 12*count).
 
 Reported: median time of the repeats after warm-up, GB/s of the fused op (minimum bytes / time), the speedup
@@ -340,6 +344,35 @@ def bench_n(n: int, densities, device, repeats: int, warmup: int) -> list:
                           lambda: reference.global_batch_step(exp_avg, exp_avg_sq, change_naive, **kw)),
                 "membound": membound_variant(nbytes // 12, device)}
     rows.append(record("global_batch_step", n, None, None, nbytes, nbytes // 12,
+                       measure(timer, variants, repeats, warmup)))
+    # the same for RMSprop with momentum: gradshare's mean gradient and momentum of the difference updated too
+    grad = (torch.randn(n, generator=g) * 1e-2).to(device)
+    second = (grad.cpu() ** 2 * 3 + torch.rand(n, generator=g) * 1e-6).to(device)
+    start = [(torch.randn(n, generator=g) * s).to(device) for s in (1e-3, 5e-3, 1e-4)]   # change, mean, buffer
+    fused, naive = [t.clone() for t in start], [t.clone() for t in start]
+    tkw = dict(kind="rmsprop", world=2, second=second, mean_bias=0.651, scale=0.0296, eps=1e-8, momentum=0.9,
+               lr=1e-3)
+
+    def tracked(state, op):
+        change, mean, buf = state
+        if op is ops.global_batch_step_tracked:
+            op(grad, change, mean, change, extra=buf, **tkw)
+        else:
+            kw = dict(tkw, extra=buf)
+            op(kw.pop("kind"), grad, change, mean, change, inv_world=0.5, **kw)
+
+    def restore(state):
+        return lambda: [t.copy_(s0) for t, s0 in zip(state, start)]
+
+    tracked(fused, ops.global_batch_step_tracked)
+    tracked(naive, reference.global_batch_step_tracked)
+    if not all(torch.equal(a, b) for a, b in zip(fused, naive)):
+        raise AssertionError(f"global_batch_step_tracked and its torch reference disagree at n={n}")
+    nbytes = 32 * n
+    variants = {"fused": (restore(fused), lambda: tracked(fused, ops.global_batch_step_tracked)),
+                "naive": (restore(naive), lambda: tracked(naive, reference.global_batch_step_tracked)),
+                "membound": membound_variant(nbytes // 12, device)}
+    rows.append(record("global_batch_step_tracked", n, None, None, nbytes, nbytes // 12,
                        measure(timer, variants, repeats, warmup)))
     return rows
 

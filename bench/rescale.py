@@ -4,10 +4,10 @@ Sharing an adaptive optimizer's updates (gradshare.second_moment) adds, after ev
 rescaling's elementwise passes over the parameters. For each optimizer, one float32 parameter of ``--numel``
 elements with a fresh random gradient per step, one thread (torch's and gradshare's): the median of
 ``--repeat`` timings of ``optimizer.step()`` and of ``GlobalBatchStep.apply`` (W = 2) on the step's change
-right after it, as the sharing core calls it, and their ratio (measured in the same run). Adam, AdamW, NAdam
-and RAdam run the native kernel (gradshare.ops.global_batch_step); for them the last column is the same
-rescaling in torch ops (gradshare.reference.global_batch_step, what ran before the kernel), timed in the
-same steps.
+right after it, as the sharing core calls it, and their ratio (measured in the same run). It runs as one
+native kernel (gradshare.ops.global_batch_step for Adam, AdamW and NAdam, global_batch_step_tracked for the
+others); the last column is the same rescaling in torch ops (gradshare.reference, the same bits; it takes
+its square roots in float64 to round them as the kernels do), timed in the same steps.
 
     python bench/rescale.py                         # 3.7M elements (the MLP of bench/workloads.py)
 """
@@ -42,7 +42,7 @@ def measure(name: str, numel: int, repeat: int):
     opt = OPTIMIZERS[name]([p])
     group = opt.param_groups[0]
     rescale = second_moment.GlobalBatchStep(opt)
-    native = rescale.kind in second_moment.ADAM_FAMILY
+    adam = rescale.kind in second_moment.ADAM_FAMILY
     steps, applied, torch_ops = [], [], []
     for i in range(repeat + 1):
         p.grad = torch.randn_like(p)
@@ -52,19 +52,29 @@ def measure(name: str, numel: int, repeat: int):
         t1 = time.perf_counter()
         change = before.sub_(p.detach())
         copy = change.clone()
+        aux = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in rescale._aux.get(id(p), {}).items()}
         t2 = time.perf_counter()
         rescale.apply(p, group, 2, change, change=change)
         t3 = time.perf_counter()
         if i > 0 and torch.equal(change, copy):      # (Adagrad's first step is its own batch's: nothing to do)
             raise RuntimeError(f"{name}: nothing rescaled")
-        if native:
+        # the same rescaling in torch ops, from the same state, checked against the kernel's bits
+        if adam:
             args = second_moment._adam_family_args(p, opt.state[p], group, 2, rescale.kind, copy.view(-1))
             t4 = time.perf_counter()
             reference.global_batch_step(target=copy.view(-1), **args)
-            torch_ops.append(time.perf_counter() - t4)
+        else:
+            args = second_moment._tracked_args(p, opt.state[p], group, 2, rescale.kind, aux)
+            sign = -1.0 if args.pop("maximize") else 1.0
+            t4 = time.perf_counter()
+            reference.global_batch_step_tracked(args.pop("kind"), args.pop("grad"), copy.view(-1), args.pop("mean"),
+                                                copy.view(-1), grad_sign=sign, inv_world=0.5, **args)
+        torch_ops.append(time.perf_counter() - t4)
+        if not torch.equal(copy, change):
+            raise RuntimeError(f"{name}: the kernel and its torch reference disagree")
         steps.append(t1 - t0)
         applied.append(t3 - t2)
-    med = lambda xs: statistics.median(xs[1:]) if xs else None     # the first step allocates the state
+    med = lambda xs: statistics.median(xs[1:])     # the first step allocates the state
     return med(steps), med(applied), med(torch_ops)
 
 
@@ -83,7 +93,7 @@ def main(argv=None) -> int:
     print("|---|---:|---:|---:|---:|")
     for name in a.optimizers.split(","):
         step, extra, ops_time = measure(name, a.numel, a.repeat)
-        ref = "-" if ops_time is None else f"{1e3 * ops_time:.1f} ({ops_time / extra:.1f}x)"
+        ref = f"{1e3 * ops_time:.1f} ({ops_time / extra:.1f}x)"
         print(f"| {name} | {1e3 * step:.1f} | {1e3 * extra:.1f} | {extra / step:.2f}x | {ref} |")
     return 0
 

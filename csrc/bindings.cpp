@@ -160,6 +160,51 @@ void rescale(uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t change, uintptr_
   }
 }
 
+void rescale_tracked(int32_t kind, uintptr_t grad, uintptr_t change, uintptr_t after, uintptr_t second,
+                     uintptr_t grad_avg, uintptr_t mean, uintptr_t extra, uintptr_t target, int64_t n, float world,
+                     float inv_world, float grad_sign, float weight_decay, float decay, float mean_weight,
+                     float mean_bias, float offset, float scale, float count, float eps, float momentum, float lr,
+                     float square_weight, float square_bias, float sign, bool cuda, uintptr_t stream) {
+  gs::TrackedTensors t;
+  t.grad = ptr<const float>(grad);
+  t.change = ptr<const float>(change);
+  t.after = ptr<const float>(after);
+  t.second = ptr<const float>(second);
+  t.grad_avg = ptr<const float>(grad_avg);
+  t.mean = ptr<float>(mean);
+  t.extra = ptr<float>(extra);
+  t.target = ptr<float>(target);
+  gs::TrackedArgs a;
+  a.kind = kind;
+  a.world = world;
+  a.inv_world = inv_world;
+  a.grad_sign = grad_sign;
+  a.weight_decay = weight_decay;
+  a.decay = decay;
+  a.mean_weight = mean_weight;
+  a.mean_bias = mean_bias;
+  a.offset = offset;
+  a.scale = scale;
+  a.count = count;
+  a.eps = eps;
+  a.momentum = momentum;
+  a.lr = lr;
+  a.square_weight = square_weight;
+  a.square_bias = square_bias;
+  a.sign = sign;
+  py::gil_scoped_release nogil;
+  if (cuda) {
+#ifdef GS_HAVE_CUDA
+    gs::rescale_tracked_cuda(t, n, a, ptr<void>(stream));
+#else
+    (void)stream;
+    no_cuda();
+#endif
+  } else {
+    gs::rescale_tracked_cpu(t, n, a);
+  }
+}
+
 py::dict build_info() {
   py::dict d;
   d["version"] = GS_VERSION;
@@ -198,6 +243,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("rescale", &rescale, py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("change"), py::arg("after"),
         py::arg("target"), py::arg("n"), py::arg("bias1"), py::arg("bias2"), py::arg("world"), py::arg("eps"),
         py::arg("lr"), py::arg("decay"), py::arg("sign"), py::arg("cuda"), py::arg("stream"));
+  m.def("rescale_tracked", &rescale_tracked, py::arg("kind"), py::arg("grad"), py::arg("change"), py::arg("after"),
+        py::arg("second"), py::arg("grad_avg"), py::arg("mean"), py::arg("extra"), py::arg("target"), py::arg("n"),
+        py::arg("world"), py::arg("inv_world"), py::arg("grad_sign"), py::arg("weight_decay"), py::arg("decay"),
+        py::arg("mean_weight"), py::arg("mean_bias"), py::arg("offset"), py::arg("scale"), py::arg("count"),
+        py::arg("eps"), py::arg("momentum"), py::arg("lr"), py::arg("square_weight"), py::arg("square_bias"),
+        py::arg("sign"), py::arg("cuda"), py::arg("stream"));
   m.def("build_info", &build_info);
   m.def("cpu_threads", &gs::cpu_threads);
   m.def("set_cpu_threads", &gs::set_cpu_threads, py::arg("threads"));

@@ -57,3 +57,53 @@ def global_batch_step_case(form: str, n: int, seed: int, world: int = 2, edge: b
         if form == "change_decay":
             kw.update(after=torch.randn(n, generator=g), decay=3e-4)
     return m, v, kw
+
+
+# (kind, variant) of gradshare.ops.global_batch_step_tracked: every form its kernels specialise
+TRACKED_FORMS = [("rmsprop", "plain"), ("rmsprop", "centered"), ("rmsprop", "momentum"),
+                 ("rmsprop", "centered_momentum"), ("rmsprop", "decay"), ("adagrad", "plain"), ("adagrad", "decay"),
+                 ("adadelta", "plain"), ("adadelta", "decay"), ("adamax", "plain"), ("adamax", "decay"),
+                 ("adafactor", "plain"), ("adafactor", "decay")]
+
+
+def tracked_step_case(kind: str, variant: str, n: int, seed: int, world: int = 2, edge: bool = False,
+                      nonfinite: bool = False, maximize: bool = False):
+    """(grad, change, mean, keyword arguments) for gradshare.ops.global_batch_step_tracked: a mid-training
+    state of ``kind`` ("rmsprop", ..., "adafactor") in ``variant`` ("plain", "centered", "momentum",
+    "centered_momentum", "decay": a weight decay, which reads ``after``); with ``edge``, zeros, a second moment
+    of 0 and huge and tiny values; with ``nonfinite`` also a NaN and an inf."""
+    g = torch.Generator().manual_seed(seed)
+    grad = torch.randn(n, generator=g) * 1e-2
+    mean = torch.randn(n, generator=g) * 5e-3
+    change = torch.randn(n, generator=g) * 1e-3
+    kw = dict(kind=kind, world=world, maximize=maximize, mean_weight=0.1, mean_bias=0.651)
+    if kind in ("rmsprop", "adagrad", "adadelta"):
+        second = grad * grad * (torch.rand(n, generator=g) * 3) + torch.rand(n, generator=g) * 1e-5
+        kw.update(second=second, eps=1e-8 if kind != "adadelta" else 1e-6)
+        if kind == "adagrad":
+            kw.update(offset=0.1, scale=7.0, count=7.0, extra=second * 0.5)
+            second.mul_(7.0).add_(0.1)
+        else:
+            kw.update(scale=0.0679)
+        if "centered" in variant:
+            kw["grad_avg"] = mean * 0.0679
+        if "momentum" in variant:
+            kw.update(momentum=0.9, lr=1e-3, extra=torch.randn(n, generator=g) * 1e-4)
+    else:
+        kw.update(extra=grad * grad * (torch.rand(n, generator=g) * 3) + torch.rand(n, generator=g) * 1e-6,
+                  square_weight=1e-3 if kind == "adamax" else 0.2, square_bias=0.00699 if kind == "adamax" else 1.0)
+    if variant == "decay":
+        kw["after"] = torch.randn(n, generator=g)
+        kw["decay" if kind == "adafactor" else "weight_decay"] = 3e-4 if kind == "adafactor" else 1e-2
+    if edge and n >= 4:
+        grad[0], mean[0] = 0.0, 0.0
+        grad[1] = 1e-3
+        grad[2], mean[2] = 3e18, 1e18
+        grad[3], mean[3] = -1e-30, 1e-40
+        for key in ("second", "extra"):
+            if key in kw:
+                kw[key][0], kw[key][1], kw[key][3] = 0.0, 0.0, 1e-44
+    if nonfinite and n >= 6:
+        grad[4] = float("nan")
+        mean[5] = float("inf")
+    return grad, change, mean, kw

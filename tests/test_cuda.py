@@ -12,7 +12,7 @@ import gradshare
 from gradshare import message as msgfmt
 from gradshare import ops
 from gradshare.message import BITMAP, HEADER_WORDS, MAGIC_VERSION, NONFINITE, SPARSE
-from op_inputs import assert_bits_equal, global_batch_step_case, make_state
+from op_inputs import TRACKED_FORMS, assert_bits_equal, global_batch_step_case, make_state, tracked_step_case
 
 pytestmark = [
     pytest.mark.gpu,
@@ -391,6 +391,41 @@ def test_global_batch_step_in_place_matches_cpu(alias):
     gkw = {k: (gpu(x) if torch.is_tensor(x) else x) for k, x in kw.items()}
     ops.global_batch_step(gpu(m), gpu(v), on_gpu, sign=sign, **dict(gkw, **{alias: on_gpu}))
     assert_bits_equal(on_gpu, target)
+
+
+@pytest.mark.parametrize("n", [0, 1, 257, TILE + 3, BIG])
+@pytest.mark.parametrize("kind,variant", TRACKED_FORMS, ids=[f"{k}-{v}" for k, v in TRACKED_FORMS])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_global_batch_step_tracked_matches_cpu(n, kind, variant, sign):
+    """Target, mean gradient and extra state on the GPU, bit for bit as on the CPU (edge values too)."""
+    grad, change, mean, kw = tracked_step_case(kind, variant, n, seed=n + 3, world=3, edge=True,
+                                               maximize=sign < 0)
+    target = torch.randn(n)
+    on_gpu = {"target": gpu(target), "mean": gpu(mean)}
+    gkw = {k: (gpu(x) if torch.is_tensor(x) else x) for k, x in kw.items()}
+    ops.global_batch_step_tracked(gpu(grad), gpu(change), on_gpu["mean"], on_gpu["target"], sign=sign, **gkw)
+    ops.global_batch_step_tracked(grad, change, mean, target, sign=sign, **kw)
+    assert_bits_equal(on_gpu["target"], target)
+    assert_bits_equal(on_gpu["mean"], mean)
+    if "extra" in kw:
+        assert_bits_equal(gkw["extra"], kw["extra"])
+
+
+@pytest.mark.parametrize("alias", ["change", "after"])
+def test_global_batch_step_tracked_in_place_matches_cpu(alias):
+    grad, change, mean, kw = tracked_step_case("adamax", "decay", 2 * TILE + 1, seed=3, edge=True)
+    kw["change"] = change
+    sign = 1.0 if alias == "change" else -1.0
+    gkw = {k: (gpu(x) if torch.is_tensor(x) else x) for k, x in kw.items()}
+    g_mean = gpu(mean)
+    on_gpu = gkw[alias]
+    run = dict(gkw)
+    ops.global_batch_step_tracked(gpu(grad), run.pop("change"), g_mean, on_gpu, sign=sign, **run)
+    target = kw[alias]
+    run = dict(kw)
+    ops.global_batch_step_tracked(grad, run.pop("change"), mean, target, sign=sign, **run)
+    assert_bits_equal(on_gpu, target)
+    assert_bits_equal(g_mean, mean)
 
 
 def test_average_too_many_buffers_on_gpu_raises():

@@ -10,7 +10,8 @@ import gradshare
 from gradshare import message as msgfmt
 from gradshare import ops, reference
 from gradshare.message import BITMAP, NONFINITE, SPARSE
-from op_inputs import assert_bits_equal, bits, global_batch_step_case, make_state
+from op_inputs import (TRACKED_FORMS, assert_bits_equal, bits, global_batch_step_case, make_state,
+                       tracked_step_case)
 
 CHUNK = 2**15  # csrc/cpu/parallel.h: kChunk; kParallelMin = 2 * kChunk
 SIZES = [0, 1, 2, 15, 16, 17, 31, 33, 1000, 1023, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK - 1, 2 * CHUNK,
@@ -193,13 +194,15 @@ GBS_FORMS = ["adam", "change", "change_decay"]
 def test_global_batch_step_matches_reference(n, form, sign, world):
     m, v, kw = global_batch_step_case(form, n, seed=n + world, world=world, edge=True, nonfinite=True)
     target = torch.randn(n)
-    expected = target.clone()
+    expected, original = target.clone(), target.clone()
     reference.global_batch_step(m, v, expected, sign=sign, **kw)
     ops.global_batch_step(m, v, target, sign=sign, **kw)
     assert_bits_equal(target, expected)
-    if world == 1 and n >= 8:                 # one rank: its own batch is the global batch, nothing changes
-        finite = torch.isfinite(m) & torch.isfinite(v)
-        assert torch.equal(target[8:][finite[8:]], expected[8:][finite[8:]])
+    if world == 1 and n >= 8:        # one rank: its own batch is the global batch, nothing changes but roundings
+        steady = (m / kw["bias1"]) ** 2 <= v / kw["bias2"]     # (else v_global = m^2 > v, whatever W)
+        torch.testing.assert_close(target[8:][steady[8:]], original[8:][steady[8:]], rtol=1e-6, atol=1e-9)
+    elif n >= 8:
+        assert not torch.equal(target[8:], original[8:])
 
 
 @pytest.mark.parametrize("alias", ["change", "after"])
@@ -239,6 +242,96 @@ def test_global_batch_step_is_the_step_with_the_global_second_moment():
     ops.global_batch_step(m, v, target, **kw)
     torch.testing.assert_close(target.double(), kw["lr"] * md / (vg.sqrt() + kw["eps"]), rtol=1e-5, atol=1e-12)
     assert (vg < vd).any()                   # noise-dominated entries: the global step is larger
+
+
+def _tracked_reference(grad, change, mean, target, sign, kw):
+    """gradshare.reference.global_batch_step_tracked with ops.global_batch_step_tracked's keywords."""
+    kw = dict(kw)
+    kind, maximize = kw.pop("kind"), kw.pop("maximize", False)
+    reference.global_batch_step_tracked(kind, grad, change, mean, target, grad_sign=-1.0 if maximize else 1.0,
+                                        inv_world=1.0 / kw["world"], sign=sign, **kw)
+
+
+def _cloned(kw):
+    return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in kw.items()}
+
+
+@pytest.mark.parametrize("n", [0, 1, 17, 2 * CHUNK + 1, BIG])
+@pytest.mark.parametrize("kind,variant", TRACKED_FORMS, ids=[f"{k}-{v}" for k, v in TRACKED_FORMS])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+@pytest.mark.parametrize("world", [1, 3])
+def test_global_batch_step_tracked_matches_reference(n, kind, variant, sign, world):
+    """The target, gradshare's mean gradient and its extra state, bit for bit, edge and non-finite values too."""
+    grad, change, mean, kw = tracked_step_case(kind, variant, n, seed=n + world, world=world, edge=True,
+                                               nonfinite=True, maximize=sign < 0)
+    target = torch.randn(n)
+    expected, original, exp_mean, exp_kw = target.clone(), target.clone(), mean.clone(), _cloned(kw)
+    _tracked_reference(grad, change, exp_mean, expected, sign, exp_kw)
+    ops.global_batch_step_tracked(grad, change, mean, target, sign=sign, **kw)
+    assert_bits_equal(target, expected)
+    assert_bits_equal(mean, exp_mean)
+    if "extra" in kw:
+        assert_bits_equal(kw["extra"], exp_kw["extra"])
+    if n >= 8:
+        assert not torch.equal(mean[8:], tracked_step_case(kind, variant, n, seed=n + world)[2][8:])   # it moved
+        if world == 1 and "momentum" not in variant:   # one rank: its batch is the global batch; only roundings
+            torch.testing.assert_close(target[8:], original[8:], rtol=1e-6, atol=1e-9)
+        elif world > 1:
+            assert not torch.equal(target[8:], original[8:])
+
+
+IN_PLACE = ([(k, v, alias) for k, v in TRACKED_FORMS if v == "decay" for alias in ("change", "after")]
+            + [("rmsprop", "momentum", "change"), ("adamax", "plain", "change")])
+
+
+@pytest.mark.parametrize("kind,variant,alias", IN_PLACE, ids=["-".join(c) for c in IN_PLACE])
+def test_global_batch_step_tracked_in_place(kind, variant, alias):
+    """The sharing core rescales its change buffer in place, local steps the parameters (``after``: read with a
+    weight decay)."""
+    n = 2 * CHUNK + 5
+    grad, change, mean, kw = tracked_step_case(kind, variant, n, seed=3)
+    kw["change"] = change
+    sign = 1.0 if alias == "change" else -1.0
+    target = kw[alias].clone()
+    expected, exp_mean, exp_kw = target.clone(), mean.clone(), _cloned(kw)
+    exp_kw[alias] = expected.clone()
+    _tracked_reference(grad, exp_kw.pop("change"), exp_mean, expected, sign, exp_kw)
+    run_kw = dict(kw, **{alias: target})
+    ops.global_batch_step_tracked(grad, run_kw.pop("change"), mean, target, sign=sign, **run_kw)
+    assert_bits_equal(target, expected)
+    assert_bits_equal(mean, exp_mean)
+    assert not torch.equal(target, kw[alias])
+
+
+def test_global_batch_step_tracked_threads_agree(threads):
+    out = []
+    for t in (1, 2, 4):
+        threads(t)
+        grad, change, mean, kw = tracked_step_case("rmsprop", "centered_momentum", BIG, seed=9)
+        target = torch.zeros(BIG)
+        ops.global_batch_step_tracked(grad, change, mean, target, **kw)
+        out.append((target, mean, kw["extra"]))
+    for a, b in zip(out[0], out[1]):
+        assert_bits_equal(a, b)
+    for a, b in zip(out[0], out[2]):
+        assert_bits_equal(a, b)
+
+
+def test_global_batch_step_tracked_is_the_step_with_the_global_second_moment():
+    """The rule itself for RMSprop, in float64: the rank's change lr g / (sqrt(v) + eps) plus the excess is
+    lr g / (sqrt(v_global) + eps), v_global = k (s + (v_hat - s) / W), s = min(m^2, v_hat), m the mean
+    gradient after this step, v_hat = v / k."""
+    grad, change, mean, kw = tracked_step_case("rmsprop", "plain", 4096, seed=4, world=4)
+    lr, k = 1e-2, kw["scale"]
+    v = kw["second"].double()
+    m = (mean.double() + (grad.double() - mean.double()) * 0.1) / kw["mean_bias"]
+    s = torch.minimum(m * m, v / k)
+    vg = k * (s + (v / k - s) / 4)
+    own = (lr * grad.double() / (v.sqrt() + kw["eps"]))
+    target = own.float()
+    ops.global_batch_step_tracked(grad, target.clone(), mean, target, **kw)
+    torch.testing.assert_close(target.double(), lr * grad.double() / (vg.sqrt() + kw["eps"]), rtol=1e-5, atol=1e-12)
+    assert (vg < v).any()
 
 
 def test_shaped_tensors_are_flattened():
@@ -466,6 +559,21 @@ def test_opcheck_global_batch_step():
     m, v, kw = global_batch_step_case("adam", 700, seed=2)
     _opcheck(torch.ops.gradshare.global_batch_step.default,
              (m, v, torch.randn(700), None, None, kw["bias1"], kw["bias2"], 2.0, kw["eps"], kw["lr"], 0.0, 1.0))
+
+
+def test_opcheck_global_batch_step_tracked():
+    from gradshare.ops import TRACKED_SCALARS
+    for kind, variant in (("rmsprop", "centered_momentum"), ("adafactor", "decay"), ("adagrad", "plain")):
+        grad, change, mean, kw = tracked_step_case(kind, variant, 700, seed=2)
+        scalars = dict(world=2.0, inv_world=0.5, grad_sign=1.0, weight_decay=kw.get("weight_decay", 0.0),
+                       decay=kw.get("decay", 0.0), mean_weight=0.1, mean_bias=kw["mean_bias"],
+                       offset=kw.get("offset", 0.0), scale=kw.get("scale", 1.0), count=kw.get("count", 1.0),
+                       eps=kw.get("eps", 0.0), momentum=kw.get("momentum", 0.0), lr=kw.get("lr", 0.0),
+                       square_weight=kw.get("square_weight", 0.0), square_bias=kw.get("square_bias", 1.0), sign=1.0)
+        _opcheck(torch.ops.gradshare.global_batch_step_tracked.default,
+                 (grad, change, kw.get("after"), kw.get("second"), kw.get("grad_avg"), mean, kw.get("extra"),
+                  torch.randn(700), ["rmsprop", "adagrad", "adadelta", "adamax", "adafactor"].index(kind),
+                  [scalars[n] for n in TRACKED_SCALARS]))
 
 
 def _train_step(update, residual, dst, params):

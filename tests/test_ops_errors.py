@@ -359,6 +359,74 @@ def test_global_batch_step_refuses_a_target_over_the_moments():
         ops.global_batch_step(m, v, base[1:], change=base[:N], bias1=0.1, bias2=0.1, world=2, eps=1e-8)
 
 
+def _tracked(base="rmsprop", **kw):
+    """(grad, change, mean, target, keyword arguments) of a valid global_batch_step_tracked call for optimizer
+    ``base``, changed by ``kw`` (None: the argument left out)."""
+    g = torch.Generator().manual_seed(6)
+    t = dict(zip(("grad", "change", "mean", "target"), (torch.randn(N, generator=g) for _ in range(4))))
+    args = dict(kind=base, world=2, mean_bias=0.5)
+    if base in ("rmsprop", "adagrad", "adadelta"):
+        args["second"] = torch.rand(N, generator=g)
+    if base in ("adagrad", "adamax", "adafactor"):
+        args["extra"] = torch.rand(N, generator=g)
+    for k, v in kw.items():
+        (t if k in t else args)[k] = v
+    return t["grad"], t["change"], t["mean"], t["target"], {k: v for k, v in args.items() if v is not None}
+
+
+@pytest.mark.parametrize("kind,kw,exc,pattern", [
+    ("rmsprop", dict(kind="sgd"), ValueError, r"^kind: one of rmsprop, adagrad, adadelta, adamax, adafactor, got 'sgd'"),
+    ("rmsprop", dict(target=torch.zeros(N, dtype=torch.float64)), TypeError, r"^target: dtype float64"),
+    ("rmsprop", dict(grad=torch.zeros(N, dtype=torch.bfloat16)), TypeError, r"^grad: dtype bfloat16"),
+    ("rmsprop", dict(mean=torch.zeros(N + 1)), ValueError, rf"^mean: {N + 1} elements but target has {N}"),
+    ("rmsprop", dict(change=torch.zeros(N, 2)[:, 0]), ValueError, r"^change: must be contiguous"),
+    ("rmsprop", dict(second=None), ValueError, r"^second: rmsprop divides by its own second moment"),
+    ("adamax", dict(second=torch.zeros(N)), ValueError, r"^second: not read for adamax"),
+    ("adagrad", dict(grad_avg=torch.zeros(N)), ValueError, r"^grad_avg: only for centered RMSprop"),
+    ("adadelta", dict(momentum=0.9), ValueError, r"^momentum: only for RMSprop"),
+    ("rmsprop", dict(momentum=0.9), ValueError, r"^extra: required for rmsprop with momentum"),
+    ("adamax", dict(extra=None), ValueError, r"^extra: required for adamax"),
+    ("adadelta", dict(extra=torch.zeros(N)), ValueError, r"^extra: not read for adadelta"),
+    ("adafactor", dict(weight_decay=0.1), ValueError, r"^weight_decay: Adafactor's is decoupled"),
+    ("adamax", dict(decay=0.1), ValueError, r"^decay: only Adafactor's weight decay is decoupled"),
+    ("rmsprop", dict(weight_decay=0.1), ValueError, r"^after: required with a weight decay"),
+    ("rmsprop", dict(world=0), ValueError, r"^world: a number of ranks >= 1, got 0"),
+    ("rmsprop", dict(eps=float("nan")), ValueError, r"^eps: must be finite"),
+    ("rmsprop", dict(eps=-1.0), ValueError, r"^eps: must be >= 0"),
+    ("rmsprop", dict(mean_bias=0.0), ValueError, r"^mean_bias: must lie in \(0, 1\]"),
+    ("adamax", dict(square_bias=1.5), ValueError, r"^square_bias: must lie in \(0, 1\]"),
+    ("adamax", dict(square_weight=-0.1), ValueError, r"^square_weight: must lie in \[0, 1\]"),
+    ("rmsprop", dict(scale=0.0), ValueError, r"^scale: must be > 0"),
+    ("adagrad", dict(count=0.5), ValueError, r"^count: Adagrad's steps, >= 1"),
+    ("rmsprop", dict(sign=0.5), ValueError, r"^sign: \+1 \(add\) or -1 \(subtract\), got 0.5"),
+], ids=["kind", "target_f64", "grad_bf16", "mean_size", "change_strided", "second_missing", "second_extra",
+        "grad_avg", "momentum", "momentum_extra", "extra_missing", "extra_extra", "adafactor_wd", "adamax_decay",
+        "after_missing", "world_zero", "eps_nan", "eps_negative", "mean_bias", "square_bias", "square_weight",
+        "scale", "count", "sign"])
+def test_global_batch_step_tracked_checks(kind, kw, exc, pattern):
+    grad, change, mean, target, args = _tracked(kind, **kw)
+    written = [t.clone() for t in (mean, target, args.get("extra", mean))]
+    with pytest.raises(exc, match=pattern):
+        ops.global_batch_step_tracked(grad, change, mean, target, **args)
+    for t, was in zip((mean, target, args.get("extra", mean)), written):
+        assert torch.equal(t, was)                                     # nothing written
+
+
+def test_global_batch_step_tracked_refuses_overlaps():
+    grad, change, mean, target, args = _tracked("adagrad")
+    with pytest.raises(ValueError, match=r"^target: overlaps grad; it is only read"):
+        ops.global_batch_step_tracked(grad, change, mean, grad, **args)
+    with pytest.raises(ValueError, match=r"^extra: overlaps mean"):
+        ops.global_batch_step_tracked(grad, change, mean, target, **dict(args, extra=mean))
+    with pytest.raises(ValueError, match=r"^mean: overlaps change"):
+        ops.global_batch_step_tracked(grad, change, change, target, **args)
+    base = torch.zeros(N + 1)
+    with pytest.raises(ValueError, match=r"^target: overlaps change at an offset"):
+        ops.global_batch_step_tracked(grad, base[:N], mean, base[1:], **args)
+    with pytest.raises(ValueError, match=r"^after: the parameters after the step cannot be the change"):
+        ops.global_batch_step_tracked(grad, change, mean, target, **dict(args, weight_decay=0.1, after=change))
+
+
 # ---------------------------------------------------------------------------------------------------
 # outputs the ops must refuse to write
 # ---------------------------------------------------------------------------------------------------
@@ -375,3 +443,32 @@ def test_read_only_numpy_outputs_are_refused():
     dst.setflags(write=False)
     with pytest.raises(ValueError, match=r"^dst: "):
         ops.decode(dst, good_message())
+
+
+@pytest.mark.parametrize("change,pattern", [
+    (dict(kind=7), r"kind must be 0 to 4"),
+    (dict(inv_world=0.0), r"inv_world must be in \(0, 1\]"),
+    (dict(mean="target"), r"mean, extra and target must be distinct"),
+    (dict(target="grad"), r"written, so they cannot be grad, second or grad_avg"),
+    (dict(second=0), r"second: required for RMSprop, Adagrad, Adadelta"),
+    (dict(weight_decay=0.1), r"after: required with a weight decay"),
+    (dict(n=-1), r"n must be >= 0"),
+], ids=["kind", "inv_world", "mean_is_target", "target_is_grad", "second", "after", "n"])
+def test_native_tracked_step_checks_its_arguments(change, pattern):
+    """The native entry point checks what gradshare.ops checks before it, for callers that reach it directly."""
+    from gradshare import _native
+    if _native._C is None:
+        pytest.skip("no native library")
+    t = {k: torch.rand(N) for k in ("grad", "change", "second", "mean", "target")}
+    args = dict(kind=0, grad=t["grad"].data_ptr(), change=t["change"].data_ptr(), after=0,
+                second=t["second"].data_ptr(), grad_avg=0, mean=t["mean"].data_ptr(), extra=0,
+                target=t["target"].data_ptr(), n=N, world=2.0, inv_world=0.5, grad_sign=1.0, weight_decay=0.0,
+                decay=0.0, mean_weight=0.1, mean_bias=0.5, offset=0.0, scale=1.0, count=1.0, eps=1e-8, momentum=0.0,
+                lr=0.0, square_weight=0.0, square_bias=1.0, sign=1.0, cuda=False, stream=0)
+    for k, v in change.items():
+        args[k] = args[v] if isinstance(v, str) else v
+    before = {k: x.clone() for k, x in t.items()}
+    with pytest.raises(ValueError, match=pattern):
+        _native._C.rescale_tracked(**args)
+    for k, x in t.items():
+        assert torch.equal(x, before[k])

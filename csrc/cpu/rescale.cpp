@@ -1,6 +1,8 @@
-// A rank's optimizer step made the global batch's (CPU): gradshare/second_moment.py's rule for Adam, AdamW,
-// NAdam and RAdam in one pass over memory, where the torch ops it replaces pass over it about fifteen times.
-// The element logic is element.h's (adam_excess, change_excess), shared with csrc/cuda/rescale.cu.
+// A rank's optimizer step made the global batch's (CPU): gradshare/second_moment.py's rule in one pass over
+// memory, where torch ops pass over it ten to twenty times. Adam, AdamW, NAdam and RAdam from their own
+// moments (rescale_cpu); RMSprop, Adagrad, Adadelta, Adamax and Adafactor from the mean gradient gradshare
+// keeps for them (rescale_tracked_cpu). The element logic is element.h's (adam_excess, change_excess,
+// tracked_excess), shared with csrc/cuda/rescale.cu.
 #include "cpu/parallel.h"
 #include "gradshare/kernels.h"
 
@@ -37,6 +39,58 @@ Chunk change_form(bool after_is_target) {
                          : rescale_chunk<false, ChangeIsTarget, Decay, false>;
 }
 
+// One chunk of a tracked step. Alias 1: change is the target; 2: after is the target (read through it, as
+// above); 0: neither.
+template <int Kind, bool Centered, bool Momentum, bool Decay, int Alias>
+void tracked_chunk(const float* __restrict__ grad, const float* __restrict__ change, const float* __restrict__ after,
+                   const float* __restrict__ second, const float* __restrict__ grad_avg, float* __restrict__ mean,
+                   float* __restrict__ extra, float* __restrict__ target, int64_t lo, int64_t hi, const TrackedArgs a) {
+  const bool own = Kind == kRmsprop || Kind == kAdagrad || Kind == kAdadelta;
+  const bool has_extra = Kind == kAdagrad || Kind == kAdamax || Kind == kAdafactor || Momentum;
+  for (int64_t i = lo; i < hi; ++i) {
+    const float t = target[i];
+    float g, divided;
+    tracked_inputs<Kind, Decay>(grad[i], Alias == 1 ? t : change[i], Decay ? (Alias == 2 ? t : after[i]) : 0.0f, a,
+                                g, divided);
+    float mu = mean[i], x = has_extra ? extra[i] : 0.0f;
+    const float e = tracked_excess<Kind, Centered, Momentum>(g, divided, own ? second[i] : 0.0f,
+                                                             Centered ? grad_avg[i] : 0.0f, mu, x, a);
+    mean[i] = mu;
+    if (has_extra) extra[i] = x;
+    target[i] = apply_excess(t, e, a.sign);
+  }
+}
+
+using TrackedChunk = void (*)(const float*, const float*, const float*, const float*, const float*, float*, float*,
+                              float*, int64_t, int64_t, const TrackedArgs);
+
+template <int Kind, bool Centered, bool Momentum, bool Decay>
+TrackedChunk tracked_alias(int alias) {
+  return alias == 1 ? tracked_chunk<Kind, Centered, Momentum, Decay, 1>
+                    : alias == 2 ? tracked_chunk<Kind, Centered, Momentum, Decay, 2>
+                                 : tracked_chunk<Kind, Centered, Momentum, Decay, 0>;
+}
+
+template <int Kind, bool Centered, bool Momentum>
+TrackedChunk tracked_form(bool decay, int alias) {
+  return decay ? tracked_alias<Kind, Centered, Momentum, true>(alias)
+               : tracked_alias<Kind, Centered, Momentum, false>(alias);
+}
+
+TrackedChunk tracked_pick(const TrackedArgs& a, bool centered, bool momentum, bool decay, int alias) {
+  switch (a.kind) {
+    case kRmsprop:
+      if (centered) return momentum ? tracked_form<kRmsprop, true, true>(decay, alias)
+                                    : tracked_form<kRmsprop, true, false>(decay, alias);
+      return momentum ? tracked_form<kRmsprop, false, true>(decay, alias)
+                      : tracked_form<kRmsprop, false, false>(decay, alias);
+    case kAdagrad: return tracked_form<kAdagrad, false, false>(decay, alias);
+    case kAdadelta: return tracked_form<kAdadelta, false, false>(decay, alias);
+    case kAdamax: return tracked_form<kAdamax, false, false>(decay, alias);
+    default: return tracked_form<kAdafactor, false, false>(decay, alias);
+  }
+}
+
 }  // namespace
 
 void rescale_cpu(const float* exp_avg, const float* exp_avg_sq, const float* change, const float* after,
@@ -53,6 +107,20 @@ void rescale_cpu(const float* exp_avg, const float* exp_avg_sq, const float* cha
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t lo = c * kChunk, hi = lo + kChunk < n ? lo + kChunk : n;
     run(exp_avg, exp_avg_sq, cit ? nullptr : change, ait ? nullptr : after, target, lo, hi, a);
+  }
+}
+
+void rescale_tracked_cpu(const TrackedTensors& t, int64_t n, const TrackedArgs& a) {
+  check_tracked_args(t, n, a);
+  const bool decay = tracked_decay(a);
+  const int alias = t.change == t.target ? 1 : (decay && t.after == t.target ? 2 : 0);
+  const TrackedChunk run = tracked_pick(a, t.grad_avg != nullptr, tracked_momentum(a), decay, alias);
+  const int64_t chunks = num_chunks(n);
+  GS_PARALLEL_FOR(n >= kParallelMin)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t lo = c * kChunk, hi = lo + kChunk < n ? lo + kChunk : n;
+    run(t.grad, alias == 1 ? nullptr : t.change, alias == 2 ? nullptr : t.after, t.second, t.grad_avg, t.mean, t.extra,
+        t.target, lo, hi, a);
   }
 }
 

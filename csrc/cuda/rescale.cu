@@ -1,5 +1,6 @@
-// A rank's optimizer step made the global batch's (CUDA): gradshare/second_moment.py's rule for Adam, AdamW,
-// NAdam and RAdam, one thread per element. Same element logic (element.h) and roundings as
+// A rank's optimizer step made the global batch's (CUDA): gradshare/second_moment.py's rule, one thread per
+// element: Adam, AdamW, NAdam and RAdam (rescale_cuda), RMSprop, Adagrad, Adadelta, Adamax and Adafactor
+// (rescale_tracked_cuda). Same element logic (element.h) and roundings as
 // csrc/cpu/rescale.cpp: nvcc runs with --fmad=false and the square roots round to nearest (__fsqrt_rn).
 #include "cuda/common.cuh"
 #include "gradshare/kernels.h"
@@ -23,7 +24,56 @@ __global__ void __launch_bounds__(kThreads) rescale_kernel(const float* __restri
   target[i] = apply_excess(target[i], e, a.sign);
 }
 
+template <int Kind, bool Centered, bool Momentum, bool Decay>
+__global__ void __launch_bounds__(kThreads) tracked_kernel(const TrackedTensors t, int64_t n, const TrackedArgs a) {
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= n) return;
+  const bool own = Kind == kRmsprop || Kind == kAdagrad || Kind == kAdadelta;
+  const bool has_extra = Kind == kAdagrad || Kind == kAdamax || Kind == kAdafactor || Momentum;
+  const float target = t.target[i];
+  float g, divided;
+  tracked_inputs<Kind, Decay>(t.grad[i], t.change[i], Decay ? t.after[i] : 0.0f, a, g, divided);
+  float mu = t.mean[i], x = has_extra ? t.extra[i] : 0.0f;
+  const float e = tracked_excess<Kind, Centered, Momentum>(g, divided, own ? t.second[i] : 0.0f,
+                                                           Centered ? t.grad_avg[i] : 0.0f, mu, x, a);
+  t.mean[i] = mu;
+  if (has_extra) t.extra[i] = x;
+  t.target[i] = apply_excess(target, e, a.sign);
+}
+
+template <int Kind, bool Centered, bool Momentum>
+void launch_tracked(const TrackedTensors& t, int64_t n, const TrackedArgs& a, bool decay, cudaStream_t s) {
+  const unsigned int blocks = cuda::blocks_for(n, kThreads);
+  if (decay) tracked_kernel<Kind, Centered, Momentum, true><<<blocks, kThreads, 0, s>>>(t, n, a);
+  else tracked_kernel<Kind, Centered, Momentum, false><<<blocks, kThreads, 0, s>>>(t, n, a);
+}
+
 }  // namespace
+
+void rescale_tracked_cuda(const TrackedTensors& t, int64_t n, const TrackedArgs& a, void* stream) {
+  check_tracked_args(t, n, a);
+  if (n == 0) return;
+  cuda::DeviceGuard guard(t.target, "target");
+  const void* inputs[] = {t.grad, t.change, t.after, t.second, t.grad_avg, t.mean, t.extra};
+  const char* names[] = {"grad", "change", "after", "second", "grad_avg", "mean", "extra"};
+  for (int k = 0; k < 7; ++k)
+    if (inputs[k] != nullptr) cuda::device_of(inputs[k], names[k]);
+  const cudaStream_t s = cuda::as_stream(stream);
+  const bool decay = tracked_decay(a), centered = t.grad_avg != nullptr, momentum = tracked_momentum(a);
+  switch (a.kind) {
+    case kRmsprop:
+      if (centered) momentum ? launch_tracked<kRmsprop, true, true>(t, n, a, decay, s)
+                             : launch_tracked<kRmsprop, true, false>(t, n, a, decay, s);
+      else momentum ? launch_tracked<kRmsprop, false, true>(t, n, a, decay, s)
+                    : launch_tracked<kRmsprop, false, false>(t, n, a, decay, s);
+      break;
+    case kAdagrad: launch_tracked<kAdagrad, false, false>(t, n, a, decay, s); break;
+    case kAdadelta: launch_tracked<kAdadelta, false, false>(t, n, a, decay, s); break;
+    case kAdamax: launch_tracked<kAdamax, false, false>(t, n, a, decay, s); break;
+    default: launch_tracked<kAdafactor, false, false>(t, n, a, decay, s); break;
+  }
+  cuda::check_launch("tracked_kernel");
+}
 
 void rescale_cuda(const float* exp_avg, const float* exp_avg_sq, const float* change, const float* after,
                   float* target, int64_t n, const RescaleArgs& a, void* stream) {

@@ -171,4 +171,103 @@ GS_HD float change_excess(float exp_avg, float exp_avg_sq, float change, float a
 // The target after the excess: one rounding, t + e or t - e.
 GS_HD float apply_excess(float t, float e, float sign) { return sign > 0.0f ? t + e : t - e; }
 
+// ---- the same for optimizers whose mean gradient gradshare keeps (second_moment.py: OWN_MEAN, TRACKED)
+
+// RMSprop, Adagrad, Adadelta divide by their own second moment, which is converted; Adamax and Adafactor by
+// what is not a mean square, so their step is divided by r = sqrt(v_global / v) of gradshare's own moments.
+enum TrackedKind : int32_t { kRmsprop = 0, kAdagrad = 1, kAdadelta = 2, kAdamax = 3, kAdafactor = 4 };
+constexpr int32_t kTrackedKinds = 5;
+constexpr float kFloatTiny = 1.17549435e-38f;  // the smallest normal float (torch.finfo(float32).tiny)
+
+// Scalars of one parameter's step, rounded to float32 once by the caller.
+struct TrackedArgs {
+  int32_t kind = kRmsprop;
+  float world = 1.0f;          // W
+  float inv_world = 1.0f;      // 1 / W: Adamax / Adafactor's lower bound of v_global / v
+  float grad_sign = 1.0f;      // -1 when the optimizer maximizes
+  float weight_decay = 0.0f;   // coupled (all but Adafactor): the gradient divided is grad + wd * before
+  float decay = 0.0f;          // decoupled (Adafactor): lr * wd, the part of the change left undivided
+  float mean_weight = 0.1f;    // gradshare's mean gradient: an average with this weight on the new gradient,
+  float mean_bias = 1.0f;      //   divided by this bias correction (1 - beta^n, n counting this step)
+  float offset = 0.0f;         // RMSprop / Adagrad / Adadelta: their second moment is offset + scale * v_hat
+  float scale = 1.0f;          //   (v_hat bias-corrected; Adagrad: its initial value and its step count)
+  float count = 1.0f;          // Adagrad: the steps its mean of m^2 runs over
+  float eps = 0.0f;            // the optimizer's
+  float momentum = 0.0f;       // RMSprop with a momentum buffer: its momentum
+  float lr = 0.0f;             //   and learning rate
+  float square_weight = 0.0f;  // Adamax / Adafactor: gradshare's mean square, the weight on g * g this step
+  float square_bias = 1.0f;    //   and its bias correction (Adafactor: 1)
+  float sign = 1.0f;           // +1: target += excess (a change); -1: target -= excess (parameters)
+};
+
+// avg + (x - avg) * w: an exponential average, rounded the same on every path.
+GS_HD float ema(float avg, float x, float w) { return avg + (x - avg) * w; }
+// min(s, cap) where cap < s (a NaN s stays NaN).
+GS_HD float capped(float s, float cap) { return cap < s ? cap : s; }
+
+// What an RMSprop / Adagrad / Adadelta step divides by for second moment x: sqrt(x + eps) (Adadelta),
+// sqrt(max(x - grad_avg^2, 0)) + eps (centered RMSprop), sqrt(x) + eps.
+template <int Kind, bool Centered>
+GS_HD float own_divisor(float x, float grad_avg, float eps) {
+  if (Kind == kAdadelta) return sqrt_rn(x + eps);
+  if (Centered) {
+    const float d = x - grad_avg * grad_avg;
+    return sqrt_rn(d < 0.0f ? 0.0f : d) + eps;
+  }
+  return sqrt_rn(x) + eps;
+}
+
+// One element of a tracked step. g: the gradient the step divided; divided: the part of the step's change
+// it divided; second / grad_avg: the optimizer's second moment and centered RMSprop's mean (own-mean kinds);
+// mean, extra: gradshare's state, updated (extra: Adagrad's running sum of m^2, Adamax's / Adafactor's mean
+// square, RMSprop's momentum of the step's difference). Returns the excess (gradshare/second_moment.py).
+template <int Kind, bool Centered, bool Momentum>
+GS_HD float tracked_excess(float g, float divided, float second, float grad_avg, float& mean, float& extra,
+                           const TrackedArgs& a) {
+  mean = ema(mean, g, a.mean_weight);
+  const float m = mean / a.mean_bias;
+  if (Kind == kAdamax || Kind == kAdafactor) {
+    extra = ema(extra, g * g, a.square_weight);
+    const float v = extra / a.square_bias;
+    const float s = capped(m * m, v);
+    // v_global / v >= 1 / W; the floor on v also covers a gradient that was always 0
+    const float q = ((v - s) / a.world + s) / (v < kFloatTiny ? kFloatTiny : v);
+    const float r = sqrt_rn(q < a.inv_world ? a.inv_world : q);
+    return divided * (1.0f / r - 1.0f);
+  }
+  float s;
+  if (Kind == kAdagrad) {
+    extra = extra + m * m;
+    s = extra / a.count;
+  } else if (Centered) {
+    const float ga = grad_avg / a.scale;
+    s = ga * ga;
+  } else {
+    s = m * m;
+  }
+  const float v_hat = (second - a.offset) / a.scale;
+  s = capped(s, v_hat);
+  const float v_global = ((v_hat - s) / a.world + s) * a.scale + a.offset;
+  const float narrow = own_divisor<Kind, Centered>(second, grad_avg, a.eps);
+  const float wide = own_divisor<Kind, Centered>(v_global, grad_avg, a.eps);
+  if (Momentum) {
+    extra = extra * a.momentum + (g / wide - g / narrow);
+    return extra * a.lr;
+  }
+  return (narrow / wide - 1.0f) * divided;
+}
+
+// The gradient a step divided and the part of its change it divided, from the raw gradient, the change and
+// the parameters before the step (after + change; read only with Decay).
+template <int Kind, bool Decay>
+GS_HD void tracked_inputs(float grad, float change, float after, const TrackedArgs& a, float& g, float& divided) {
+  g = grad * a.grad_sign;
+  divided = change;
+  if (Decay) {
+    const float before = after + change;
+    if (Kind == kAdafactor) divided = change - before * a.decay;
+    else g = g + before * a.weight_decay;
+  }
+}
+
 }  // namespace gs

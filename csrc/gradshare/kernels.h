@@ -86,6 +86,20 @@ void average_cpu(float* dst, const float* const* srcs, int64_t k, const float* w
 // a.decay != 0). n floats each; target may be `change` itself (in place), and overlaps nothing else.
 void rescale_cpu(const float* exp_avg, const float* exp_avg_sq, const float* change, const float* after,
                  float* target, int64_t n, const RescaleArgs& a);
+// The tensors of a step of an optimizer whose mean gradient gradshare keeps (element.h: tracked_excess), n
+// floats each. change and after may be target itself; nothing else overlaps.
+struct TrackedTensors {
+  const float* grad = nullptr;      // the parameter's gradient, as the optimizer read it
+  const float* change = nullptr;    // the step's change, before - after
+  const float* after = nullptr;     // the parameters after the step (read only with a weight decay)
+  const float* second = nullptr;    // RMSprop / Adagrad / Adadelta: the optimizer's second moment
+  const float* grad_avg = nullptr;  // centered RMSprop: its mean gradient
+  float* mean = nullptr;            // gradshare's mean gradient (updated)
+  float* extra = nullptr;           // Adagrad's sum of m^2, Adamax's / Adafactor's mean square, RMSprop's momentum
+  float* target = nullptr;          // += (sign -1: -=) the excess
+};
+// target[i] +-= tracked_excess of element i, updating mean and extra.
+void rescale_tracked_cpu(const TrackedTensors& t, int64_t n, const TrackedArgs& a);
 
 int cpu_threads();
 void set_cpu_threads(int threads);
@@ -110,6 +124,7 @@ ChunkedResult encode_ternary_cuda(const void* update, int32_t dtype, const float
 void average_cuda(float* dst, const float* const* srcs, int64_t k, const float* weights, int64_t n, void* stream);
 void rescale_cuda(const float* exp_avg, const float* exp_avg_sq, const float* change, const float* after,
                   float* target, int64_t n, const RescaleArgs& a, void* stream);
+void rescale_tracked_cuda(const TrackedTensors& t, int64_t n, const TrackedArgs& a, void* stream);
 int cuda_device_count();
 #endif
 
@@ -183,6 +198,54 @@ inline void check_rescale_args(const float* exp_avg, const float* exp_avg_sq, co
   if (!(a.world >= 1.0f) || !is_finite(a.world)) throw std::invalid_argument("world must be >= 1");
   if (!(a.eps >= 0.0f) || !is_finite(a.eps)) throw std::invalid_argument("eps must be >= 0 and finite");
   if (!is_finite(a.lr) || !is_finite(a.decay)) throw std::invalid_argument("lr and decay must be finite");
+  if (a.sign != 1.0f && a.sign != -1.0f) throw std::invalid_argument("sign must be +1 or -1");
+}
+
+// Whether a tracked step reads the parameters before it (a weight decay: coupled into the gradient, or
+// Adafactor's decoupled one) and keeps RMSprop's momentum.
+inline bool tracked_decay(const TrackedArgs& a) { return a.kind == kAdafactor ? a.decay != 0.0f : a.weight_decay != 0.0f; }
+inline bool tracked_momentum(const TrackedArgs& a) { return a.kind == kRmsprop && a.momentum != 0.0f; }
+
+inline void check_tracked_args(const TrackedTensors& t, int64_t n, const TrackedArgs& a) {
+  if (a.kind < 0 || a.kind >= kTrackedKinds) throw std::invalid_argument("kind must be 0 to 4 (gs::TrackedKind)");
+  if (n < 0) throw std::invalid_argument("n must be >= 0");
+  const bool own = a.kind == kRmsprop || a.kind == kAdagrad || a.kind == kAdadelta;
+  if (n > 0) {
+    if (t.grad == nullptr || t.change == nullptr || t.mean == nullptr || t.target == nullptr)
+      throw std::invalid_argument("grad, change, mean and target are required");
+    if (own && t.second == nullptr) throw std::invalid_argument("second: required for RMSprop, Adagrad, Adadelta");
+    if (t.extra == nullptr && (a.kind != kRmsprop || tracked_momentum(a)) && a.kind != kAdadelta)
+      throw std::invalid_argument("extra: required for Adagrad, Adamax, Adafactor and RMSprop with momentum");
+    if (tracked_decay(a) && t.after == nullptr) throw std::invalid_argument("after: required with a weight decay");
+    const void* rw[] = {t.mean, t.extra, t.target};
+    const void* ro[] = {t.grad, t.second, t.grad_avg};
+    for (int i = 0; i < 3; ++i) {
+      for (int j = 0; j < 3; ++j)
+        if (rw[i] != nullptr && rw[i] == ro[j]) throw std::invalid_argument("mean, extra and target: written, so "
+                                                                            "they cannot be grad, second or grad_avg");
+      for (int j = i + 1; j < 3; ++j)
+        if (rw[i] != nullptr && rw[i] == rw[j]) throw std::invalid_argument("mean, extra and target must be distinct");
+    }
+    if (t.mean == t.change || t.mean == t.after || (t.extra != nullptr && (t.extra == t.change || t.extra == t.after)))
+      throw std::invalid_argument("mean and extra cannot be change or after");
+  }
+  if (t.grad_avg != nullptr && a.kind != kRmsprop) throw std::invalid_argument("grad_avg: only for RMSprop");
+  if (a.momentum != 0.0f && a.kind != kRmsprop) throw std::invalid_argument("momentum: only for RMSprop");
+  if (a.kind == kAdafactor ? a.weight_decay != 0.0f : a.decay != 0.0f)
+    throw std::invalid_argument("weight_decay is coupled (not Adafactor), decay decoupled (Adafactor only)");
+  const float finite[] = {a.weight_decay, a.decay, a.offset, a.eps, a.momentum, a.lr};
+  for (float x : finite)
+    if (!is_finite(x)) throw std::invalid_argument("weight_decay, decay, offset, eps, momentum and lr must be finite");
+  if (!(a.world >= 1.0f) || !is_finite(a.world)) throw std::invalid_argument("world must be >= 1");
+  if (!(a.inv_world > 0.0f && a.inv_world <= 1.0f)) throw std::invalid_argument("inv_world must be in (0, 1]");
+  if (a.grad_sign != 1.0f && a.grad_sign != -1.0f) throw std::invalid_argument("grad_sign must be +1 or -1");
+  if (!(a.mean_weight > 0.0f && a.mean_weight <= 1.0f) || !(a.mean_bias > 0.0f && a.mean_bias <= 1.0f))
+    throw std::invalid_argument("mean_weight and mean_bias must be in (0, 1]");
+  if (!(a.square_weight >= 0.0f && a.square_weight <= 1.0f) || !(a.square_bias > 0.0f && a.square_bias <= 1.0f))
+    throw std::invalid_argument("square_weight must be in [0, 1], square_bias in (0, 1]");
+  if (!(a.scale > 0.0f) || !is_finite(a.scale)) throw std::invalid_argument("scale must be positive and finite");
+  if (!(a.count >= 1.0f) || !is_finite(a.count)) throw std::invalid_argument("count must be >= 1");
+  if (!(a.eps >= 0.0f)) throw std::invalid_argument("eps must be >= 0");
   if (a.sign != 1.0f && a.sign != -1.0f) throw std::invalid_argument("sign must be +1 or -1");
 }
 

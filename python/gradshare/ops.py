@@ -300,6 +300,32 @@ def _(exp_avg, exp_avg_sq, target, change, after, bias1, bias2, world, eps, lr, 
     return None
 
 
+# gs::TrackedArgs's floats in the order the native call takes them (after the kind)
+TRACKED_SCALARS = ("world", "inv_world", "grad_sign", "weight_decay", "decay", "mean_weight", "mean_bias", "offset",
+                   "scale", "count", "eps", "momentum", "lr", "square_weight", "square_bias", "sign")
+
+
+def _global_batch_step_tracked_impl(grad: torch.Tensor, change: torch.Tensor, after: Optional[torch.Tensor],
+                                    second: Optional[torch.Tensor], grad_avg: Optional[torch.Tensor],
+                                    mean: torch.Tensor, extra: Optional[torch.Tensor], target: torch.Tensor, kind: int,
+                                    scalars: List[float]) -> None:
+    if _native.available():
+        _native.rescale_tracked(kind, grad, change, after, second, grad_avg, mean, extra, target, scalars)
+    else:
+        reference.global_batch_step_tracked(reference.TRACKED_KINDS[kind], grad, change, mean, target, after=after,
+                                            second=second, grad_avg=grad_avg, extra=extra,
+                                            **dict(zip(TRACKED_SCALARS, scalars)))
+
+
+_global_batch_step_tracked_op = torch.library.custom_op(
+    "gradshare::global_batch_step_tracked", _global_batch_step_tracked_impl, mutates_args=("mean", "extra", "target"))
+
+
+@_global_batch_step_tracked_op.register_fake
+def _(grad, change, after, second, grad_avg, mean, extra, target, kind, scalars):
+    return None
+
+
 def _run(op, impl, *args):
     """Eager calls on plain tensors go straight to the implementation: the custom-op dispatcher costs
     tens of microseconds a call, which small DDP buckets feel. Tracing (torch.compile, fake tensors,
@@ -609,6 +635,19 @@ def average(buffers: Sequence[ArrayLike], *, weights: Optional[Sequence[float]] 
     return o.numpy() if as_numpy else o
 
 
+def _float32_operands(given: dict, written: Sequence[str]) -> dict:
+    """name -> tensor for the operands given (not None) of an op over float32 tensors of one size and device,
+    all checked (``written``: the op writes them); "target" sets the size and device."""
+    ts = {n: _as_tensor(t, n, written=(n in written)) for n, t in given.items() if t is not None}
+    tgt = ts["target"]
+    for n, t in ts.items():
+        _check_flat(t, n, (torch.float32,))
+        _check_same_device(tgt, t, "target", n)
+        if t.numel() != tgt.numel():
+            raise ValueError(f"{n}: {t.numel()} elements but target has {tgt.numel()}")
+    return ts
+
+
 def global_batch_step(exp_avg: ArrayLike, exp_avg_sq: ArrayLike, target: ArrayLike, *, bias1: float, bias2: float,
                       world: int, eps: float, lr: float = 0.0, change: Optional[ArrayLike] = None,
                       after: Optional[ArrayLike] = None, decay: float = 0.0, sign: float = 1.0) -> None:
@@ -623,16 +662,9 @@ def global_batch_step(exp_avg: ArrayLike, exp_avg_sq: ArrayLike, target: ArrayLi
     - 1. All float32, contiguous, of one size and device; ``target`` may be ``change`` or ``after`` itself,
     and overlaps nothing else. Bit for bit as gradshare.reference.global_batch_step.
     """
-    names = ("exp_avg", "exp_avg_sq", "target", "change", "after")
-    given = [(n, _as_tensor(t, n, written=(n == "target"))) for n, t in zip(names, (exp_avg, exp_avg_sq, target,
-                                                                                   change, after)) if t is not None]
-    ts = dict(given)
+    ts = _float32_operands(dict(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, target=target, change=change, after=after),
+                           written=("target",))
     tgt = ts["target"]
-    for n, t in given:
-        _check_flat(t, n, (torch.float32,))
-        _check_same_device(tgt, t, "target", n)
-        if t.numel() != tgt.numel():
-            raise ValueError(f"{n}: {t.numel()} elements but target has {tgt.numel()}")
     decay, sign = float(decay), float(sign)
     if change is None and (after is not None or decay != 0.0):
         raise ValueError("after / decay: only with change (the NAdam / RAdam form)")
@@ -660,3 +692,92 @@ def global_batch_step(exp_avg: ArrayLike, exp_avg_sq: ArrayLike, target: ArrayLi
     _run(_global_batch_step_op, _global_batch_step_impl, flat["exp_avg"], flat["exp_avg_sq"], flat["target"],
          flat.get("change"), flat.get("after"), float(bias1), float(bias2), float(world), float(eps), float(lr),
          decay, sign)
+
+
+def global_batch_step_tracked(grad: ArrayLike, change: ArrayLike, mean: ArrayLike, target: ArrayLike, *, kind: str,
+                              world: int, second: Optional[ArrayLike] = None, grad_avg: Optional[ArrayLike] = None,
+                              extra: Optional[ArrayLike] = None, after: Optional[ArrayLike] = None,
+                              maximize: bool = False, weight_decay: float = 0.0, decay: float = 0.0,
+                              mean_weight: float = 0.1, mean_bias: float = 1.0, offset: float = 0.0,
+                              scale: float = 1.0, count: float = 1.0, eps: float = 0.0, momentum: float = 0.0,
+                              lr: float = 0.0, square_weight: float = 0.0, square_bias: float = 1.0,
+                              sign: float = 1.0) -> None:
+    """Adds to ``target`` (``sign`` -1: subtracts) how far a rank's step of an optimizer whose mean gradient
+    gradshare keeps falls short of the step on the global batch of ``world`` ranks (gradshare.second_moment),
+    in one pass over memory; ``mean`` and ``extra`` (gradshare's state) are updated.
+
+    ``kind``: "rmsprop", "adagrad", "adadelta" (divided by their own second moment ``second``, which reads
+    offset + scale * v_hat; centered RMSprop also by ``grad_avg``), "adamax", "adafactor" (divided by r =
+    sqrt(v_global / v) of gradshare's mean square in ``extra``, averaged with ``square_weight`` and divided by
+    ``square_bias``). g = -grad with ``maximize``, plus ``weight_decay`` times the parameters before the step
+    (``after`` + change; Adafactor's ``decay``, lr * its weight decay, is the change's undivided part instead);
+    ``mean`` += (g - mean) * ``mean_weight``, m = mean / ``mean_bias``. ``extra``: Adagrad's running sum of m^2
+    (its mean over ``count`` steps), RMSprop's momentum of the step's difference (with ``momentum`` and
+    ``lr``), Adamax's and Adafactor's mean square. All float32, contiguous, of one size and device;
+    ``target`` may be ``change`` or ``after`` itself, and overlaps nothing else. Bit for bit as
+    gradshare.reference.global_batch_step_tracked.
+    """
+    if kind not in reference.TRACKED_KINDS:
+        raise ValueError(f"kind: one of {', '.join(reference.TRACKED_KINDS)}, got {kind!r}")
+    written = ("mean", "target", "extra")
+    ts = _float32_operands(dict(grad=grad, change=change, mean=mean, target=target, second=second, grad_avg=grad_avg,
+                                extra=extra, after=after), written)
+    tgt = ts["target"]
+    own = kind in ("rmsprop", "adagrad", "adadelta")
+    if own and second is None:
+        raise ValueError(f"second: {kind} divides by its own second moment; pass it")
+    if not own and second is not None:
+        raise ValueError(f"second: not read for {kind} (its mean square is gradshare's, in extra)")
+    if grad_avg is not None and kind != "rmsprop":
+        raise ValueError("grad_avg: only for centered RMSprop")
+    if momentum != 0.0 and kind != "rmsprop":
+        raise ValueError("momentum: only for RMSprop")
+    needs_extra = kind in ("adagrad", "adamax", "adafactor") or momentum != 0.0
+    if needs_extra != (extra is not None):
+        raise ValueError(f"extra: {'required' if needs_extra else 'not read'} for {kind}"
+                         + (" with momentum" if kind == "rmsprop" and needs_extra else ""))
+    if kind == "adafactor" and weight_decay != 0.0:
+        raise ValueError("weight_decay: Adafactor's is decoupled; pass lr * weight_decay as decay")
+    if kind != "adafactor" and decay != 0.0:
+        raise ValueError(f"decay: only Adafactor's weight decay is decoupled; {kind}'s is weight_decay")
+    if (decay if kind == "adafactor" else weight_decay) != 0.0 and after is None:
+        raise ValueError("after: required with a weight decay (the parameters before the step are after + change)")
+    for n in ("grad", "second", "grad_avg", "mean", "extra"):
+        for w in written:
+            if n != w and n in ts and w in ts and _overlap(ts[n], ts[w]):
+                raise ValueError(f"{w}: overlaps {n}" + ("; it is only read" if n not in written else ""))
+    for n in ("change", "after"):
+        if n in ts:
+            for w in ("mean", "extra"):
+                if w in ts and _overlap(ts[n], ts[w]):
+                    raise ValueError(f"{w}: overlaps {n}")
+            if _overlap(tgt, ts[n]) and tgt.data_ptr() != ts[n].data_ptr():
+                raise ValueError(f"target: overlaps {n} at an offset; pass that very buffer or separate memory")
+    if "after" in ts and ts["after"].data_ptr() == ts["change"].data_ptr() and tgt.numel():
+        raise ValueError("after: the parameters after the step cannot be the change")
+    if isinstance(world, bool) or not isinstance(world, (int, np.integer)) or world < 1:
+        raise ValueError(f"world: a number of ranks >= 1, got {world!r}")
+    values = dict(world=float(world), inv_world=1.0 / float(world), grad_sign=-1.0 if maximize else 1.0,
+                  weight_decay=weight_decay, decay=decay, mean_weight=mean_weight, mean_bias=mean_bias, offset=offset,
+                  scale=scale, count=count, eps=eps, momentum=momentum, lr=lr, square_weight=square_weight,
+                  square_bias=square_bias, sign=sign)
+    for n, x in values.items():
+        if not math.isfinite(float(x)):
+            raise ValueError(f"{n}: must be finite, got {x}")
+    for n in ("mean_weight", "mean_bias", "square_bias"):
+        if not 0.0 < float(values[n]) <= 1.0:
+            raise ValueError(f"{n}: must lie in (0, 1], got {values[n]}")
+    if not 0.0 <= float(square_weight) <= 1.0:
+        raise ValueError(f"square_weight: must lie in [0, 1], got {square_weight}")
+    if float(scale) <= 0.0:
+        raise ValueError(f"scale: must be > 0, got {scale}")
+    if float(count) < 1.0:
+        raise ValueError(f"count: Adagrad's steps, >= 1, got {count}")
+    if float(eps) < 0.0:
+        raise ValueError(f"eps: must be >= 0, got {eps}")
+    if float(sign) not in (1.0, -1.0):
+        raise ValueError(f"sign: +1 (add) or -1 (subtract), got {sign}")
+    flat = {n: t.view(-1) for n, t in ts.items()}
+    _run(_global_batch_step_tracked_op, _global_batch_step_tracked_impl, flat["grad"], flat["change"],
+         flat.get("after"), flat.get("second"), flat.get("grad_avg"), flat["mean"], flat.get("extra"), flat["target"],
+         reference.TRACKED_KINDS.index(kind), [float(values[n]) for n in TRACKED_SCALARS])

@@ -491,3 +491,80 @@ def global_batch_step(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, target: t
         target.add_(excess.view_as(target))
     else:
         target.sub_(excess.view_as(target).to(target.dtype))
+
+
+# element.h's TrackedKind, in its order: the optimizers whose mean gradient gradshare keeps (second_moment.py)
+TRACKED_KINDS = ("rmsprop", "adagrad", "adadelta", "adamax", "adafactor")
+FLOAT_TINY = float(torch.finfo(torch.float32).tiny)
+
+
+def ema_(avg: torch.Tensor, x: torch.Tensor, weight: float) -> torch.Tensor:
+    """avg + (x - avg) * weight, in place (element.h: ema)."""
+    return avg.add_(torch.sub(x, avg).mul_(weight))
+
+
+def _capped(s: torch.Tensor, cap) -> torch.Tensor:
+    """min(s, cap) as element.h's capped takes it: cap where cap < s (a NaN s stays NaN)."""
+    return torch.where(cap < s, cap, s)
+
+
+def _own_divisor(kind: str, x: torch.Tensor, grad_avg: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    if kind == "adadelta":
+        return sqrt_rn(x + eps)
+    if grad_avg is not None:
+        d = x - grad_avg * grad_avg
+        return sqrt_rn(torch.where(d < 0.0, 0.0, d)) + eps
+    return sqrt_rn(x) + eps
+
+
+def global_batch_step_tracked(kind: str, grad: torch.Tensor, change: torch.Tensor, mean: torch.Tensor,
+                              target: torch.Tensor, *, world: float, inv_world: float, after: Optional[torch.Tensor] = None,
+                              second: Optional[torch.Tensor] = None, grad_avg: Optional[torch.Tensor] = None,
+                              extra: Optional[torch.Tensor] = None, grad_sign: float = 1.0, weight_decay: float = 0.0,
+                              decay: float = 0.0, mean_weight: float = 0.1, mean_bias: float = 1.0, offset: float = 0.0,
+                              scale: float = 1.0, count: float = 1.0, eps: float = 0.0, momentum: float = 0.0,
+                              lr: float = 0.0, square_weight: float = 0.0, square_bias: float = 1.0,
+                              sign: float = 1.0) -> None:
+    """target +-= the excess of the global batch's step over a rank's own for an optimizer whose mean gradient
+    gradshare keeps, ``mean`` and ``extra`` (float32) updated in place (csrc/gradshare/element.h:
+    tracked_inputs and tracked_excess), in float32 torch ops."""
+    flat = lambda t: None if t is None else t.float().reshape(-1).clone()
+    ch, ga = flat(change), flat(grad_avg)
+    g = flat(grad) * grad_sign
+    divided = ch
+    if (decay if kind == "adafactor" else weight_decay) != 0.0:
+        before = flat(after) + ch
+        if kind == "adafactor":
+            divided = ch - before * decay
+        else:
+            g = g + before * weight_decay
+    mean_f = mean.view(-1)
+    m = ema_(mean_f, g, mean_weight) / mean_bias
+    extra_f = None if extra is None else extra.view(-1)
+    if kind in ("adamax", "adafactor"):
+        v = ema_(extra_f, g * g, square_weight) / square_bias
+        s = _capped(m * m, v)
+        q = ((v - s) / world + s) / torch.where(v < FLOAT_TINY, FLOAT_TINY, v)
+        r = sqrt_rn(torch.where(q < inv_world, inv_world, q))
+        excess = divided * torch.reciprocal(r).sub_(1.0)
+    else:
+        if kind == "adagrad":
+            s = extra_f.add_(m * m) / count
+        elif ga is not None:
+            s = ga / scale
+            s = s * s
+        else:
+            s = m * m
+        sec = flat(second)
+        v_hat = (sec - offset) / scale
+        s = _capped(s, v_hat)
+        v_global = ((v_hat - s) / world + s) * scale + offset
+        narrow, wide = _own_divisor(kind, sec, ga, eps), _own_divisor(kind, v_global, ga, eps)
+        if kind == "rmsprop" and momentum != 0.0:
+            excess = extra_f.mul_(momentum).add_(torch.div(g, wide) - torch.div(g, narrow)) * lr
+        else:
+            excess = (narrow / wide - 1.0) * divided
+    if sign > 0:
+        target.add_(excess.view_as(target))
+    else:
+        target.sub_(excess.view_as(target).to(target.dtype))

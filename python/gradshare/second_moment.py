@@ -59,10 +59,12 @@ Adafactor's ``variance`` by r^2, or its column factor by the mean of r^2).
 
 Optimizers gradshare does not know share their steps as they are.
 
-For Adam, AdamW, NAdam and RAdam the rule runs as one native pass over the moments and the change
-(gradshare.ops.global_batch_step; its element logic is csrc/gradshare/element.h's, shared by the CPU and
-CUDA kernels, its pure-torch reference gradshare.reference.global_batch_step); the other optimizers' in torch
-ops here.
+Each step's rule runs as one native pass over memory: for Adam, AdamW, NAdam and RAdam over the moments and
+the change (gradshare.ops.global_batch_step), for the others over the gradient, the change and the moments kept
+here, which it updates (gradshare.ops.global_batch_step_tracked). Their element logic is
+csrc/gradshare/element.h's, shared by the CPU and CUDA kernels; their pure-torch references are in
+gradshare.reference. The conversions of state between a rank's own and the global batch's, which run only when
+the exchange changes path, are torch ops here.
 """
 from __future__ import annotations
 
@@ -124,41 +126,32 @@ def _moments(state: Dict[str, Any], group: Dict[str, Any]) -> Optional[Tuple[tor
     return m.float() / (1.0 - b1 ** t), v.float() / (1.0 - b2 ** t), t
 
 
-def _gradient(p: torch.Tensor, group: Dict[str, Any], before: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The gradient a step divided (maximize's sign, coupled weight decay on the parameters ``before`` the
-    step), flat float32, for the kinds whose moments GlobalBatchStep keeps; None for a sparse or complex one
-    (not rescaled)."""
+def _gradient(p: torch.Tensor, group: Dict[str, Any], before: torch.Tensor) -> Optional[torch.Tensor]:
+    """The gradient an RMSprop / Adagrad / Adadelta step divided (maximize's sign, coupled weight decay on the
+    parameters ``before`` the step), flat float32; None for a sparse or complex one (not rescaled)."""
     grad = p.grad
     if grad is None or grad.is_sparse or grad.is_complex():
         return None
     g = grad.detach().float().reshape(-1)
     g = -g if group.get("maximize") else g.clone()
     wd = float(group.get("weight_decay", 0.0))
-    if wd:
-        g.add_(before.detach().float().reshape(-1), alpha=wd)
+    if wd:                                      # rounded as the native step rounds it (element.h: tracked_inputs)
+        g.add_(before.detach().float().reshape(-1) * wd)
     return g
 
 
-def _observe(kind: str, aux: Dict[str, Any], g: torch.Tensor, group: Dict[str, Any]) -> None:
-    """GlobalBatchStep's moments of one parameter after gradient ``g``: the mean gradient, and for Adagrad the
-    running sum of its square, for Adamax and Adafactor the mean square of the gradient (Adamax: an average with
-    its beta2, bias-corrected when read; Adafactor: its own decay schedule, 1 - beta2_t = t^beta2_decay, which
-    needs no correction)."""
+def _observe(kind: str, aux: Dict[str, Any], g: torch.Tensor) -> None:
+    """GlobalBatchStep's moments of an RMSprop / Adagrad / Adadelta parameter after a step on the all-reduced
+    gradient ``g``: the mean gradient, and Adagrad's running sum of its square, as the native step updates
+    them (gradshare.reference.global_batch_step_tracked)."""
     if aux.get("mean") is None:
         aux.update(mean=torch.zeros_like(g), count=0)
         if kind == "adagrad":
             aux["signal"] = torch.zeros_like(g)
-        elif kind in TRACKED:
-            aux["square"] = torch.zeros_like(g)
-    aux["mean"].lerp_(g, 1.0 - MEAN_BETA)
     aux["count"] += 1
+    m = reference.ema_(aux["mean"], g, 1.0 - MEAN_BETA) / (1.0 - MEAN_BETA ** aux["count"])
     if kind == "adagrad":
-        m = aux["mean"] / (1.0 - MEAN_BETA ** aux["count"])
-        aux["signal"].addcmul_(m, m)
-    elif kind in TRACKED:
-        weight = (1.0 - float(group["betas"][1]) if kind == "adamax"
-                  else float(aux["count"]) ** float(group.get("beta2_decay", -0.8)))
-        aux["square"].lerp_(g * g, weight)
+        aux["signal"].add_(m * m)
 
 
 def _own_units(kind: str, state: Dict[str, Any], group: Dict[str, Any]) -> Optional[Tuple[torch.Tensor, float, float]]:
@@ -194,42 +187,6 @@ def _own_global(kind: str, state: Dict[str, Any], units: Tuple[torch.Tensor, flo
     return v_hat.sub_(s).mul_(factor).add_(s).mul_(k).add_(c)
 
 
-def _divisor(kind: str, v: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) -> torch.Tensor:
-    """What an RMSprop / Adagrad / Adadelta step divides its gradient by, for second moment ``v`` (flat)."""
-    eps = float(group["eps"])
-    if kind == "adadelta":
-        return v.add(eps).sqrt_()
-    if kind == "rmsprop" and group.get("centered"):
-        ga = state["grad_avg"].float().reshape(-1)
-        return torch.sub(v, ga * ga).clamp_min_(0.0).sqrt_().add_(eps)
-    return v.sqrt().add_(eps)
-
-
-def _own_mean_excess(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], world: int, kind: str,
-                     change: torch.Tensor, aux: Dict[str, Any]) -> Optional[torch.Tensor]:
-    """:func:`step_excess` for RMSprop, Adagrad and Adadelta; updates ``aux`` (GlobalBatchStep's state)."""
-    units = _own_units(kind, state, group)
-    if units is None:
-        return None
-    flat_change = change.detach().float().reshape(-1)
-    g = _gradient(p, group, p.detach().float().reshape(-1) + flat_change)
-    if g is None:
-        return None
-    _observe(kind, aux, g, group)
-    v = units[0]
-    narrow = _divisor(kind, v, state, group)
-    wide = _divisor(kind, _own_global(kind, state, units, aux, 1.0 / world), state, group)
-    momentum = float(group.get("momentum", 0.0)) if kind == "rmsprop" else 0.0
-    if momentum > 0.0:
-        # the optimizer's buffer holds the sum of its divided gradients; the difference is summed alike here
-        diff = torch.div(g, wide).sub_(torch.div(g, narrow))
-        buf = aux.get("momentum_buffer")
-        aux["momentum_buffer"] = diff if buf is None else buf.mul_(momentum).add_(diff)
-        return aux["momentum_buffer"].mul(float(group["lr"])).view_as(p)
-    # the whole change was divided (weight decay is coupled in all three): rescale it
-    return narrow.div_(wide).sub_(1.0).mul_(flat_change).view_as(p)
-
-
 def _tracked_ratio(kind: str, group: Dict[str, Any], aux: Dict[str, Any], world: int) -> torch.Tensor:
     """r = sqrt(v_global / v) from GlobalBatchStep's own moments of an Adamax or Adafactor parameter (module
     docstring): 1 where the mean dominates, down to 1 / sqrt(W) where noise does."""
@@ -242,23 +199,74 @@ def _tracked_ratio(kind: str, group: Dict[str, Any], aux: Dict[str, Any], world:
     return ratio.clamp_min_(1.0 / world).sqrt_()
 
 
-def _tracked_excess(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], world: int, kind: str,
-                    change: torch.Tensor, aux: Dict[str, Any]) -> Optional[torch.Tensor]:
-    """:func:`step_excess` for Adamax and Adafactor: the divided part of the change (all of it but Adafactor's
-    decoupled weight decay) times 1/r - 1; updates ``aux``, the moments r is taken from."""
-    if state.get("step") is None or float(state["step"]) < 1:
+def _tracked_args(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], world: int, kind: str,
+                 aux: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The arguments of gradshare.ops.global_batch_step_tracked for an RMSprop, Adagrad, Adadelta, Adamax or
+    Adafactor step (less target and change), with ``aux`` (GlobalBatchStep's entry for ``p``) allocated and its
+    step counted; None when there is nothing to correct."""
+    grad = p.grad
+    if grad is None or grad.is_sparse or grad.is_complex():
         return None
-    flat_change = change.detach().float().reshape(-1).clone()
-    before = p.detach().float().reshape(-1) + flat_change
-    decoupled = kind == "adafactor"
-    g = _gradient(p, {**group, "weight_decay": 0.0} if decoupled else group, before)
-    if g is None:
+    args: Dict[str, Any] = {}
+    if kind in OWN_MEAN:
+        units = _own_units(kind, state, group)
+        if units is None:
+            return None
+        args.update(second=state[OWN_MEAN[kind]].detach().reshape(-1), offset=units[1], scale=units[2],
+                    eps=float(group["eps"]))
+    elif state.get("step") is None or float(state["step"]) < 1:
         return None
+    if aux.get("mean") is None:
+        aux.update(mean=torch.zeros(p.numel(), dtype=torch.float32, device=p.device), count=0)
+        extra = {"adagrad": "signal", "adamax": "square", "adafactor": "square"}.get(kind)
+        if extra is not None:
+            aux[extra] = torch.zeros_like(aux["mean"])
+    aux["count"] += 1
+    n = aux["count"]
     wd = float(group.get("weight_decay", 0.0))
-    if decoupled and wd:                                   # p *= 1 - lr * wd came first, undivided
-        flat_change.sub_(before, alpha=float(group["lr"]) * wd)
-    _observe(kind, aux, g, group)
-    return flat_change.mul_(_tracked_ratio(kind, group, aux, world).reciprocal_().sub_(1.0)).view_as(p)
+    args.update(kind=kind, world=world, grad=grad.detach().reshape(-1), mean=aux["mean"], maximize=bool(group.get("maximize")),
+                mean_weight=1.0 - MEAN_BETA, mean_bias=1.0 - MEAN_BETA ** n)
+    if kind == "adafactor":
+        args["decay"] = float(group["lr"]) * wd                # p *= 1 - lr * wd came first, undivided
+    else:
+        args["weight_decay"] = wd
+    if wd:
+        args["after"] = p.detach().reshape(-1)
+    if kind == "adagrad":
+        args.update(extra=aux["signal"], count=float(n))
+    elif kind == "rmsprop":
+        if group.get("centered") and state.get("grad_avg") is not None:
+            args["grad_avg"] = state["grad_avg"].detach().reshape(-1)
+        momentum = float(group.get("momentum", 0.0))
+        if momentum > 0.0:       # the optimizer's buffer sums its divided gradients; the difference is summed alike
+            if aux.get("momentum_buffer") is None:
+                aux["momentum_buffer"] = torch.zeros_like(aux["mean"])
+            args.update(extra=aux["momentum_buffer"], momentum=momentum, lr=float(group["lr"]))
+    elif kind in TRACKED:
+        b2 = float(group["betas"][1]) if kind == "adamax" else None
+        args.update(extra=aux["square"],
+                    square_weight=1.0 - b2 if kind == "adamax" else float(n) ** float(group.get("beta2_decay", -0.8)),
+                    square_bias=1.0 - b2 ** n if kind == "adamax" else 1.0)
+    return args
+
+
+def _apply_tracked(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], world: int, kind: str,
+                   change: torch.Tensor, aux: Dict[str, Any], target: torch.Tensor, sign: float) -> bool:
+    """target +-= :func:`step_excess` of an RMSprop, Adagrad, Adadelta, Adamax or Adafactor step
+    (gradshare.ops.global_batch_step_tracked: one native pass where every tensor is contiguous float32, the
+    same float32 torch ops otherwise), updating ``aux``; False: nothing to do."""
+    args = _tracked_args(p, state, group, world, kind, aux)
+    if args is None:
+        return False
+    change = change.detach().reshape(-1)
+    tensors = [target, change] + [args[k] for k in ("grad", "second", "grad_avg", "after") if k in args]
+    if all(x.dtype == torch.float32 and x.is_contiguous() and x.device == target.device for x in tensors):
+        ops.global_batch_step_tracked(change=change, target=target.view(-1), sign=sign, **args)
+        return True
+    maximize = args.pop("maximize")
+    reference.global_batch_step_tracked(args.pop("kind"), args.pop("grad"), change, args.pop("mean"), target,
+                                        grad_sign=-1.0 if maximize else 1.0, inv_world=1.0 / world, sign=sign, **args)
+    return True
 
 
 @torch.no_grad()
@@ -276,19 +284,18 @@ def step_excess(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], w
     parameter's entry of :class:`GlobalBatchStep` (updated here: call once per step)."""
     if world <= 1 or p.grad is None:
         return None
-    if kind in TRACKED:
-        if change is None or aux is None:
-            raise ValueError(f"second moment: a {kind} step is rescaled from its change and gradshare's moments "
-                             "(GlobalBatchStep)")
-        return _tracked_excess(p, state, group, world, kind, change, aux)
-    if kind in OWN_MEAN:
-        if change is None or aux is None:
-            raise ValueError(f"second moment: a {kind} step is rescaled from its change and gradshare's mean "
-                             "gradient (GlobalBatchStep); "
-                             + ("no change was given" if change is None else "no state was given"))
-        return _own_mean_excess(p, state, group, world, kind, change, aux)
     target = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+    if kind in OWN_MEAN or kind in TRACKED:
+        _check_tracked(kind, change, aux)
+        return target if _apply_tracked(p, state, group, world, kind, change, aux, target, 1.0) else None
     return target if _apply_adam_family(p, state, group, world, kind, change, target, 1.0) else None
+
+
+def _check_tracked(kind: str, change: Optional[torch.Tensor], aux: Optional[Dict[str, Any]]) -> None:
+    if change is None or aux is None:
+        raise ValueError(f"second moment: a {kind} step is rescaled from its change and the moments gradshare "
+                         "keeps for it (GlobalBatchStep); "
+                         + ("no change was given" if change is None else "no state was given"))
 
 
 def _adam_family_args(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], world: int, kind: str,
@@ -436,12 +443,9 @@ class GlobalBatchStep:
         if self.kind in ADAM_FAMILY:
             _apply_adam_family(p, st, group, world, self.kind, change, target, sign)
             return
-        excess = step_excess(p, st, group, world, self.kind, change, self._entry(p))
-        if excess is not None:
-            if sign > 0:
-                target.add_(excess)
-            else:
-                target.sub_(excess.to(target.dtype))
+        aux = self._entry(p)
+        _check_tracked(self.kind, change, aux)
+        _apply_tracked(p, st, group, world, self.kind, change, aux, target, sign)
 
     @torch.no_grad()
     def observe(self, params: Iterable[torch.Tensor], world: int) -> None:
@@ -453,7 +457,7 @@ class GlobalBatchStep:
         for p in params:
             g = _gradient(p, groups[id(p)], p)
             if g is not None:
-                _observe(self.kind, self._entry(p), g, groups[id(p)])
+                _observe(self.kind, self._entry(p), g)
 
     def _converted(self, p: torch.Tensor, group: Dict[str, Any], world: int, inverse: bool) -> Dict[str, torch.Tensor]:
         """The state of ``p`` that :meth:`to_global` replaces (``inverse``: :meth:`to_own`), key -> new value in
