@@ -451,3 +451,32 @@ def test_own_mean_to_own_inverts_to_global_and_checkpoints(cls, kw, shape, world
         for k, v in saved[0].items())
     with pytest.raises(ValueError, match="parameter #3"):
         other.load_state_dict({3: saved[0]})
+
+
+@pytest.mark.parametrize("cls,kw,shape", STATE_CASES, ids=STATE_IDS)
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_tracked_step_on_float64_parameters_matches_float32(cls, kw, shape, sign):
+    """A float64 parameter goes through gradshare.reference (the native kernel takes float32 only): its
+    rescaled step and gradshare's moments match a float32 parameter's, trained alike, to float32 precision;
+    ``sign`` -1 is the local-steps form (the parameters themselves, the change given apart)."""
+    results = []
+    for dtype in (torch.float32, torch.float64):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(*shape).to(dtype))
+        opt = cls([p], **kw)
+        rescale = second_moment.GlobalBatchStep(opt)
+        for grad in _gradients(6):
+            p.grad = grad.view(shape).to(dtype)
+            before = p.detach().clone()
+            opt.step()
+            change = before - p.detach()
+            if sign > 0:
+                target = change.float().clone()
+                rescale.apply(p, opt.param_groups[0], 2, target, change=target)
+            else:
+                target = p.data
+                rescale.apply(p, opt.param_groups[0], 2, target, change=change, sign=-1.0)
+        results.append((target.double().clone(), rescale._aux[id(p)]["mean"].double().clone()))
+    (t32, m32), (t64, m64) = results
+    np.testing.assert_allclose(t64.numpy(), t32.numpy(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(m64.numpy(), m32.numpy(), rtol=1e-4, atol=1e-7)

@@ -13,8 +13,10 @@
 // is known to be finite: phase 2 then recomputes u and writes it. A non-finite u anywhere leaves the
 // residual unchanged and turns the message into a marker of the same length.
 #include <algorithm>
+#include <cstring>
 #include <functional>
 #include <vector>
+
 #include "cpu/code_word.h"
 #include "cpu/parallel.h"
 #include "gradshare/kernels.h"
@@ -290,18 +292,6 @@ inline float lane_abs_sum(const float* u, int64_t len, const uint8_t* keep) {
   return lane_tree(acc);
 }
 
-// One code word: bit b present (sent[b]), bit b + 16 negative. Arithmetic, not branches: which elements are
-// sent is close to random, and a constant m = 16 unrolls into straight-line code.
-inline uint32_t code_word(const uint8_t* sent, const float* u, int64_t m) {
-  uint32_t present = 0, negative = 0;
-  for (int64_t b = 0; b < m; ++b) {
-    const uint32_t s = sent[b];
-    present |= s << b;
-    negative |= (s & static_cast<uint32_t>(u[b] < 0.0f)) << b;
-  }
-  return present | (negative << 16);
-}
-
 // What a ternary element keeps: u minus +-scale where it was sent (x - 0.0f is x, so no branch on unsent).
 inline float ternary_kept(float u, bool sent, bool negative, float scale) {
   return u - keep_or_zero(negated_if(scale, negative), sent);
@@ -357,7 +347,7 @@ ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, const float*
   {
     const size_t cap = static_cast<size_t>(std::min(chunk, n));
     std::vector<float> u(cap);
-    std::vector<uint8_t> sent(cap);
+    std::vector<uint8_t> sent(cap), negative(cap);
 #ifdef GS_HAVE_OPENMP
 #pragma omp for schedule(static)
 #endif
@@ -368,14 +358,23 @@ ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, const float*
       const float th = fraction * (lane_abs_sum<false>(u.data(), len, nullptr) / static_cast<float>(len));
       int64_t cnt = 0;
       for (int64_t j = 0; j < len; ++j) {
-        sent[j] = static_cast<uint8_t>(ternary_sent(u[j], th));
-        cnt += sent[j];
+        const uint8_t s = static_cast<uint8_t>(ternary_sent(u[j], th));
+        sent[j] = s;
+        negative[j] = s & static_cast<uint8_t>(u[j] < 0.0f);
+        cnt += s;
       }
+      // The code words, 64 elements at a time from their packed masks (a chunk's last block zero-padded).
       int32_t* w = payload + c * per_full;
-      for (int64_t q = 0; q < (len + 15) / 16; ++q) {
-        const int64_t m = std::min<int64_t>(16, len - q * 16);
-        w[1 + q] = static_cast<int32_t>(m == 16 ? code_word(sent.data() + q * 16, u.data() + q * 16, 16)
-                                                : code_word(sent.data() + q * 16, u.data() + q * 16, m));
+      for (int64_t b = 0; b < len; b += 64) {
+        const int64_t m = std::min<int64_t>(64, len - b);
+        if (m == 64) {
+          write_code_words(w + 1 + b / 16, pack_flags(sent.data() + b), pack_flags(negative.data() + b), 4);
+        } else {
+          uint8_t ps[64] = {0}, ns[64] = {0};
+          std::memcpy(ps, sent.data() + b, static_cast<size_t>(m));
+          std::memcpy(ns, negative.data() + b, static_cast<size_t>(m));
+          write_code_words(w + 1 + b / 16, pack_flags(ps), pack_flags(ns), (m + 15) / 16);
+        }
       }
       w[0] = float_to_bits(cnt ? lane_abs_sum<true>(u.data(), len, sent.data()) / static_cast<float>(cnt) : 0.0f);
       entries[c] = cnt;

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <memory>
 #include <vector>
+#include "cpu/code_word.h"
 #include "cpu/parallel.h"
 #include "gradshare/kernels.h"
 
@@ -44,21 +45,6 @@ inline __m128 input4(const float* g, const Momentum& mo, int64_t i, __m128 vm) {
   return MOM ? _mm_add_ps(_mm_mul_ps(vm, _mm_loadu_ps(mo.velocity + i)), x) : x;
 }
 #endif
-
-// Bits j of the result = flags[j] for flags[0..64) each 0 or 1: eight bytes at a time, one multiply moves
-// byte j's low bit to bit 56 + j (no two partial products overlap there).
-inline uint64_t pack_flags(const uint8_t* flags) {
-  uint64_t bits = 0;
-  for (int k = 0; k < 8; ++k) {
-    uint64_t x;
-    std::memcpy(&x, flags + 8 * k, 8);
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-    x = __builtin_bswap64(x);  // byte j must be the j-th least significant
-#endif
-    bits |= ((x * 0x0102040810204080ull) >> 56) << (8 * k);
-  }
-  return bits;
-}
 
 // Hit mask of elements [i, i + len), len <= 64; sets *bad if any u is non-finite. The flag loop is plain
 // element-wise code, so compilers vectorise it for every dtype; bits past len stay 0.
