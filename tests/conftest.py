@@ -54,12 +54,11 @@ def tiny_mnist(tmp_path):
 
 @pytest.fixture
 def world_of_one(monkeypatch):
-    """The environment of a one-process group on loopback (what gradshare.cluster.run joins in this process)."""
-    from gradshare.workers import free_port
-
-    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
-                        ("WORLD_SIZE", "1")):
-        monkeypatch.setenv(name, value)
+    """No launcher's environment, so that gradshare.cluster.run makes a one-process group on loopback in this
+    process (its store on a port the system picks); what it sets is undone after the test."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.setenv(name, "")          # recorded, so that the test's own settings are undone too
+        monkeypatch.delenv(name)
 
 
 @pytest.fixture(autouse=True)

@@ -8,14 +8,40 @@ all started at once so that the machine is loaded, all exit 0.
 """
 import json
 import os
+import random
+import socket
 import subprocess
 import sys
 
 import pytest
 
-from gradshare.workers import free_port
-
 HERE = os.path.dirname(os.path.abspath(__file__))
+_PORTS_USED = set()
+
+
+def _port() -> int:
+    """A MASTER_PORT for one job that no other process takes before its rank 0 binds it: below the system's
+    ephemeral range (which every connect() and bind to port 0 draws from, gloo's sockets included), not given
+    to another job of this module, and free now. (A port from bind(("", 0)), closed and handed over, can be
+    drawn again by any socket in between: two jobs then met on one port and one hung.)"""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    for _ in range(1000):
+        port = random.randrange(max(1024, low - 12000), low)
+        if port in _PORTS_USED:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_USED.add(port)
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 SCRIPT = """
 import json, sys
@@ -30,7 +56,7 @@ print("RESULT " + json.dumps({{"threads": process_group.backend_threads(), "step
 
 def _start_job(config, tag):
     """Two plain processes (RANK/WORLD_SIZE set, no launcher) running cluster.run on cluster_job.train."""
-    port = str(free_port())
+    port = str(_port())
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
@@ -49,7 +75,11 @@ def _finish(job, timeout=120):
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            pytest.fail(f"job {tag}: a rank did not finish within {timeout} s")
+            outs = []                             # every rank's output: the one that failed first explains it
+            for r, q in enumerate(procs):
+                text = results[r][2] if r < len(results) else q.communicate()[0]
+                outs.append(f"rank {r} (exit {q.returncode}):\n{text[-1500:]}")
+            pytest.fail(f"job {tag}: a rank did not finish within {timeout} s\n" + "\n----\n".join(outs))
         line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
         results.append((p.returncode, json.loads(line[-1][7:]) if line else None, out))
     return results

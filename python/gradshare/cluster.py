@@ -118,18 +118,21 @@ def _init_process_group(backend: Optional[str], collective_timeout: float) -> bo
     """Joins the group described by the environment; returns True when this call created it."""
     if dist.is_initialized():
         return False
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+    alone = "RANK" not in os.environ or "WORLD_SIZE" not in os.environ
+    if alone:
         # Plain `python script.py`: a world of one, so the same function runs without a launcher.
-        from gradshare.workers import free_port
-
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
     timeout = timedelta(seconds=collective_timeout)
-    process_group.init_process_group(backend, store=_restart_safe_store(timeout), rank=_env_int("RANK", 0),
+    if alone:    # its store on a port the system picks as it binds (a port chosen first could be taken meanwhile)
+        store = process_group.serving_store("127.0.0.1", 0, 1, timeout)
+        os.environ["MASTER_PORT"] = str(store.port)
+    else:
+        store = _restart_safe_store(timeout)
+    process_group.init_process_group(backend, store=store, rank=_env_int("RANK", 0),
                                      world_size=_env_int("WORLD_SIZE", 1), timeout=timeout)
     return True
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import socket
 import subprocess
 import time
 import traceback
@@ -16,6 +15,7 @@ from datetime import timedelta
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gradshare import process_group
@@ -50,12 +50,6 @@ def stop_process_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
             continue
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(rank: int, world_size: int, port: int, backend: str, threads: int, collective_timeout: float,
            fn: Callable, args: Sequence, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -63,8 +57,11 @@ def _entry(rank: int, world_size: int, port: int, backend: str, threads: int, co
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(threads)
     try:
-        process_group.init_process_group(backend, rank=rank, world_size=world_size,
-                                         timeout=timedelta(seconds=collective_timeout))   # MASTER_* set above
+        timeout = timedelta(seconds=collective_timeout)
+        # every rank a client of the store run_local serves (rank 0 serving a port chosen beforehand would race
+        # any other process on the machine for it between the choice and the bind)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        process_group.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
         out = fn(*args)
         results.put((rank, True, out))
     except BaseException:  # report everything, KeyboardInterrupt included
@@ -90,7 +87,10 @@ def run_local(fn: Callable, world_size: int, args: Sequence = (), *, backend: st
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    # The rendezvous store, served here on a port the system picks as it binds: nothing can take the port
+    # between its choice and its use, as with a free port handed to the workers to bind.
+    store = process_group.serving_store("127.0.0.1", 0, world_size, timedelta(seconds=collective_timeout))
+    port = store.port
     procs = [ctx.Process(target=_entry, daemon=True,
                          args=(r, world_size, port, backend, threads, collective_timeout, fn, args, results))
              for r in range(world_size)]
@@ -136,4 +136,5 @@ def run_local(fn: Callable, world_size: int, args: Sequence = (), *, backend: st
             if p.is_alive():
                 p.kill()
         results.close()
+        del store          # after the workers: they used it until the end
     return out
