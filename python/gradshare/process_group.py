@@ -21,7 +21,9 @@ references it. Two things did:
   it weakly.
 
 The rendezvous store that rank 0 serves listens on the rendezvous address only (:func:`serving_store`),
-not on every interface of the host as torch's own does.
+not on every interface of the host as torch's own does. Where gradshare picks the port itself (the local
+workers, a world of one), the store binds port 0 and reports the port the system gave it: a port chosen
+first and bound later could be taken by any other socket in between.
 
 :func:`destroy_process_group` then checks that the backend's threads really ended and warns, naming the
 likely cause, when something (a user object holding a group) still keeps one alive.
