@@ -14,6 +14,10 @@ are bitwise identical at the end.
 
     python bench/optimizers.py                          # every optimizer (about 3 minutes on 2 cores)
     python bench/optimizers.py --optimizers nadam,radam --json out.json
+    python bench/optimizers.py --optimizers radam --compression dense --seed 1
+
+``--compression dense`` shares every step's update uncompressed (``compression="dense"``): what sharing the
+optimizer's steps costs by itself, with no compression. ``--seed`` changes the order of the batches.
 """
 from __future__ import annotations
 
@@ -40,6 +44,8 @@ def optimizers() -> Dict[str, Callable[[Any], torch.optim.Optimizer]]:
         "adam_amsgrad": lambda p: O.Adam(p, lr=3e-3, amsgrad=True),
         "nadam": lambda p: O.NAdam(p, lr=3e-3),
         "radam": lambda p: O.RAdam(p, lr=3e-3),
+        # its rectification lets the steps grow as the second moment's window fills: a shorter window
+        "radam_beta2_0.99": lambda p: O.RAdam(p, lr=3e-3, betas=(0.9, 0.99)),
         "adamax": lambda p: O.Adamax(p, lr=5e-3),
         "adagrad": lambda p: O.Adagrad(p, lr=5e-2),
         "adadelta": lambda p: O.Adadelta(p, lr=1.0),
@@ -72,7 +78,7 @@ def _model():
                          nn.Linear(128, 10))
 
 
-def _rank(name: str, contender: str) -> Dict[str, Any]:
+def _rank(name: str, contender: str, compression: str = "default", seed: int = 0) -> Dict[str, Any]:
     """One rank's run (inside gradshare.workers.run_local)."""
     import torch.distributed as dist
 
@@ -85,10 +91,11 @@ def _rank(name: str, contender: str) -> Dict[str, Any]:
     opt = optimizers()[name](net.parameters())
     state = None
     if contender == "gradshare":
-        state = gradshare.ThresholdState(optimizer=opt, link=None)
+        kwargs = {"compression": "dense"} if compression == "dense" else {}
+        state = gradshare.ThresholdState(optimizer=opt, link=None, **kwargs)
         net.register_comm_hook(state, gradshare.threshold_hook)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
-    g, half = torch.Generator().manual_seed(99), GLOBAL_BATCH // world
+    g, half = torch.Generator().manual_seed(99 + seed), GLOBAL_BATCH // world
     for _ in range(STEPS):
         idx = torch.randint(0, xtr.shape[0], (GLOBAL_BATCH,), generator=g)[rank * half:(rank + 1) * half]
         opt.zero_grad(set_to_none=True)
@@ -108,14 +115,14 @@ def _rank(name: str, contender: str) -> Dict[str, Any]:
     return out
 
 
-def run(names: List[str]) -> List[Dict[str, Any]]:
+def run(names: List[str], compression: str = "default", seed: int = 0) -> List[Dict[str, Any]]:
     from gradshare.workers import run_local
 
     rows = []
     for name in names:
-        ddp = run_local(_rank, 2, (name, "ddp"), threads=1, timeout=300)[0]
-        gs = run_local(_rank, 2, (name, "gradshare"), threads=1, timeout=300)[0]
-        rows.append({"optimizer": name, "ddp": ddp, "gradshare": gs,
+        ddp = run_local(_rank, 2, (name, "ddp", compression, seed), threads=1, timeout=300)[0]
+        gs = run_local(_rank, 2, (name, "gradshare", compression, seed), threads=1, timeout=300)[0]
+        rows.append({"optimizer": name, "seed": seed, "ddp": ddp, "gradshare": gs,
                      "accuracy_gap_points": 100 * (gs["accuracy"] - ddp["accuracy"]),
                      "loss_gap": gs["loss"] / ddp["loss"] - 1})
         print(f"{name}: DDP {100 * ddp['accuracy']:.2f}%, gradshare {100 * gs['accuracy']:.2f}%", file=sys.stderr)
@@ -139,18 +146,23 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--optimizers", default=None, help="comma-separated names (default: all; see optimizers())")
     p.add_argument("--json", default=None, help="also write every row as JSON here")
+    p.add_argument("--compression", choices=("default", "dense"), default="default",
+                   help="default: what gradshare picks for the optimizer; dense: every update uncompressed")
+    p.add_argument("--seed", type=int, default=0, help="the order of the batches (the model starts the same)")
     a = p.parse_args(argv)
     known = optimizers()
     names = a.optimizers.split(",") if a.optimizers else list(known)
     unknown = [n for n in names if n not in known]
     if unknown:
         p.error(f"unknown optimizers {unknown}; known: {', '.join(known)}")
-    rows = run(names)
-    print(f"torch {torch.__version__}, 2 ranks (gloo, 1 thread each), {STEPS} steps, global batch {GLOBAL_BATCH}\n")
+    rows = run(names, a.compression, a.seed)
+    print(f"torch {torch.__version__}, 2 ranks (gloo, 1 thread each), {STEPS} steps, global batch {GLOBAL_BATCH}, "
+          f"compression {a.compression}, seed {a.seed}\n")
     print(markdown(rows))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"torch": torch.__version__, "steps": STEPS, "rows": rows}, f, indent=1)
+            json.dump({"torch": torch.__version__, "steps": STEPS, "compression": a.compression, "seed": a.seed,
+                       "rows": rows}, f, indent=1)
     return 0 if all(r["gradshare"]["replicas_identical"] for r in rows) else 1
 
 
