@@ -355,11 +355,7 @@ def bench_n(n: int, densities, device, repeats: int, warmup: int) -> list:
 
     def tracked(state, op):
         change, mean, buf = state
-        if op is ops.global_batch_step_tracked:
-            op(grad, change, mean, change, extra=buf, **tkw)
-        else:
-            kw = dict(tkw, extra=buf)
-            op(kw.pop("kind"), grad, change, mean, change, inv_world=0.5, **kw)
+        op(grad, change, mean, change, extra=buf, **tkw)
 
     def restore(state):
         return lambda: [t.copy_(s0) for t, s0 in zip(state, start)]

@@ -244,14 +244,6 @@ def test_global_batch_step_is_the_step_with_the_global_second_moment():
     assert (vg < vd).any()                   # noise-dominated entries: the global step is larger
 
 
-def _tracked_reference(grad, change, mean, target, sign, kw):
-    """gradshare.reference.global_batch_step_tracked with ops.global_batch_step_tracked's keywords."""
-    kw = dict(kw)
-    kind, maximize = kw.pop("kind"), kw.pop("maximize", False)
-    reference.global_batch_step_tracked(kind, grad, change, mean, target, grad_sign=-1.0 if maximize else 1.0,
-                                        inv_world=1.0 / kw["world"], sign=sign, **kw)
-
-
 def _cloned(kw):
     return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in kw.items()}
 
@@ -266,7 +258,7 @@ def test_global_batch_step_tracked_matches_reference(n, kind, variant, sign, wor
                                                nonfinite=True, maximize=sign < 0)
     target = torch.randn(n)
     expected, original, exp_mean, exp_kw = target.clone(), target.clone(), mean.clone(), _cloned(kw)
-    _tracked_reference(grad, change, exp_mean, expected, sign, exp_kw)
+    reference.global_batch_step_tracked(grad, change, exp_mean, expected, sign=sign, **exp_kw)
     ops.global_batch_step_tracked(grad, change, mean, target, sign=sign, **kw)
     assert_bits_equal(target, expected)
     assert_bits_equal(mean, exp_mean)
@@ -295,7 +287,7 @@ def test_global_batch_step_tracked_in_place(kind, variant, alias):
     target = kw[alias].clone()
     expected, exp_mean, exp_kw = target.clone(), mean.clone(), _cloned(kw)
     exp_kw[alias] = expected.clone()
-    _tracked_reference(grad, exp_kw.pop("change"), exp_mean, expected, sign, exp_kw)
+    reference.global_batch_step_tracked(grad, exp_kw.pop("change"), exp_mean, expected, sign=sign, **exp_kw)
     run_kw = dict(kw, **{alias: target})
     ops.global_batch_step_tracked(grad, run_kw.pop("change"), mean, target, sign=sign, **run_kw)
     assert_bits_equal(target, expected)
@@ -696,3 +688,17 @@ def test_kept_under_a_torch_function_mode_takes_the_registered_op():
     assert_bits_equal(m, m_in_place)
     assert_bits_equal(kept, in_place)
     assert_bits_equal(residual, before)
+
+
+def test_global_batch_step_tracked_without_the_native_library_matches(monkeypatch):
+    """The op's fallback (no native library: gradshare.reference) passes its scalars on unchanged."""
+    from gradshare import _native
+    grad, change, mean, kw = tracked_step_case("rmsprop", "centered_momentum", 999, seed=5, world=3, maximize=True)
+    target, exp_mean, exp_kw = torch.randn(999), mean.clone(), _cloned(kw)
+    expected = target.clone()
+    ops.global_batch_step_tracked(grad, change, exp_mean, expected, sign=-1.0, **exp_kw)
+    monkeypatch.setattr(_native, "available", lambda: False)
+    ops.global_batch_step_tracked(grad, change, mean, target, sign=-1.0, **kw)
+    assert_bits_equal(target, expected)
+    assert_bits_equal(mean, exp_mean)
+    assert_bits_equal(kw["extra"], exp_kw["extra"])

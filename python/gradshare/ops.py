@@ -312,9 +312,11 @@ def _global_batch_step_tracked_impl(grad: torch.Tensor, change: torch.Tensor, af
     if _native.available():
         _native.rescale_tracked(kind, grad, change, after, second, grad_avg, mean, extra, target, scalars)
     else:
-        reference.global_batch_step_tracked(reference.TRACKED_KINDS[kind], grad, change, mean, target, after=after,
-                                            second=second, grad_avg=grad_avg, extra=extra,
-                                            **dict(zip(TRACKED_SCALARS, scalars)))
+        kw = dict(zip(TRACKED_SCALARS, scalars))
+        del kw["inv_world"]                            # the reference takes 1 / world itself
+        reference.global_batch_step_tracked(grad, change, mean, target, kind=reference.TRACKED_KINDS[kind],
+                                            after=after, second=second, grad_avg=grad_avg, extra=extra,
+                                            maximize=kw.pop("grad_sign") < 0, **kw)
 
 
 _global_batch_step_tracked_op = torch.library.custom_op(

@@ -517,20 +517,21 @@ def _own_divisor(kind: str, x: torch.Tensor, grad_avg: Optional[torch.Tensor], e
     return sqrt_rn(x) + eps
 
 
-def global_batch_step_tracked(kind: str, grad: torch.Tensor, change: torch.Tensor, mean: torch.Tensor,
-                              target: torch.Tensor, *, world: float, inv_world: float, after: Optional[torch.Tensor] = None,
+def global_batch_step_tracked(grad: torch.Tensor, change: torch.Tensor, mean: torch.Tensor, target: torch.Tensor, *,
+                              kind: str, world: float, after: Optional[torch.Tensor] = None,
                               second: Optional[torch.Tensor] = None, grad_avg: Optional[torch.Tensor] = None,
-                              extra: Optional[torch.Tensor] = None, grad_sign: float = 1.0, weight_decay: float = 0.0,
+                              extra: Optional[torch.Tensor] = None, maximize: bool = False, weight_decay: float = 0.0,
                               decay: float = 0.0, mean_weight: float = 0.1, mean_bias: float = 1.0, offset: float = 0.0,
                               scale: float = 1.0, count: float = 1.0, eps: float = 0.0, momentum: float = 0.0,
                               lr: float = 0.0, square_weight: float = 0.0, square_bias: float = 1.0,
                               sign: float = 1.0) -> None:
     """target +-= the excess of the global batch's step over a rank's own for an optimizer whose mean gradient
     gradshare keeps, ``mean`` and ``extra`` (float32) updated in place (csrc/gradshare/element.h:
-    tracked_inputs and tracked_excess), in float32 torch ops."""
+    tracked_inputs and tracked_excess), in float32 torch ops; the keywords of gradshare.ops.global_batch_step_tracked."""
     flat = lambda t: None if t is None else t.float().reshape(-1).clone()
     ch, ga = flat(change), flat(grad_avg)
-    g = flat(grad) * grad_sign
+    g = flat(grad) * (-1.0 if maximize else 1.0)
+    inv_world = 1.0 / float(world)
     divided = ch
     if (decay if kind == "adafactor" else weight_decay) != 0.0:
         before = flat(after) + ch

@@ -212,8 +212,7 @@ def _tracked_args(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any],
         units = _own_units(kind, state, group)
         if units is None:
             return None
-        args.update(second=state[OWN_MEAN[kind]].detach().reshape(-1), offset=units[1], scale=units[2],
-                    eps=float(group["eps"]))
+        args.update(second=units[0].detach(), offset=units[1], scale=units[2], eps=float(group["eps"]))
     elif state.get("step") is None or float(state["step"]) < 1:
         return None
     if aux.get("mean") is None:
@@ -263,9 +262,7 @@ def _apply_tracked(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]
     if all(x.dtype == torch.float32 and x.is_contiguous() and x.device == target.device for x in tensors):
         ops.global_batch_step_tracked(change=change, target=target.view(-1), sign=sign, **args)
         return True
-    maximize = args.pop("maximize")
-    reference.global_batch_step_tracked(args.pop("kind"), args.pop("grad"), change, args.pop("mean"), target,
-                                        grad_sign=-1.0 if maximize else 1.0, inv_world=1.0 / world, sign=sign, **args)
+    reference.global_batch_step_tracked(change=change, target=target, sign=sign, **args)
     return True
 
 
