@@ -214,3 +214,60 @@ def test_ddp_options_and_no_sync_accumulation(ddp_kw, accumulate):
     shared = run_local(_ddp_option_run, 2, (ddp_kw, accumulate, "updates"), threads=1, timeout=300)
     assert shared[0][1] == shared[1][1] == 12 and np.array_equal(shared[0][0], shared[1][0])
     assert not np.array_equal(shared[0][0], ddp) and np.abs(shared[0][0] - ddp).max() < 0.05
+
+
+# -- a second optimizer: parameters the hook's optimizer does not step are all-reduced as DDP does ----------
+def _two_optimizers(lr_first, sharing):
+    warnings.simplefilter("always")
+    torch.manual_seed(0)
+    model = _Branchy(unused=False)
+    ddp = DDP(model)
+    first = torch.optim.AdamW(model.a.parameters(), lr=lr_first)
+    second = torch.optim.SGD(model.b.parameters(), lr=0.05, momentum=0.9)
+    state = None
+    with warnings.catch_warnings(record=True) as caught:
+        if sharing:
+            state = ThresholdState(optimizer=first, link=None)
+            ddp.register_comm_hook(state, threshold_hook)
+        g = torch.Generator().manual_seed(dist.get_rank())
+        for _ in range(8):
+            first.zero_grad(), second.zero_grad()
+            x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+            F.cross_entropy(ddp(x), y).backward()
+            first.step(), second.step()
+    verify_replicas(model)
+    said = [str(w.message) for w in caught if "not in the optimizer given to ThresholdState" in str(w.message)]
+    uncovered = None if state is None else sum(r.n for r in state.stats.history if r.bucket == -1)
+    return ([p.detach().clone() for p in model.b.parameters()], [p.detach().clone() for p in model.a.parameters()],
+            said, uncovered)
+
+
+def test_a_second_optimizers_parameters_are_all_reduced_as_ddp_does():
+    ddp = run_local(_two_optimizers, 2, (0.0, False), threads=1, timeout=300)[0]
+    # The hook's optimizer holds its parameters still (lr 0): the second optimizer's parameters then follow
+    # DDP's bit for bit, which they can only if their gradients are the ranks' mean on every rank.
+    still = run_local(_two_optimizers, 2, (0.0, True), threads=1, timeout=300)
+    for r in still:
+        assert all(torch.equal(a, b) for a, b in zip(r[0], ddp[0]))
+        assert len(r[2]) == 1 and "2 parameter(s) (650 elements)" in r[2][0]      # said once, with what
+        assert r[3] == 8 * 650                                                     # counted: every step
+    moving = run_local(_two_optimizers, 2, (3e-3, True), threads=1, timeout=300)   # replicas checked inside
+    assert not all(torch.equal(a, b) for a, b in zip(moving[0][1], ddp[1]))       # the first one did step
+
+
+def _zero_refused():
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    model = nn.Linear(4, 2)
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    try:
+        ThresholdState(optimizer=zero)
+    except ValueError as e:
+        return str(e)
+    finally:
+        del zero
+    return None
+
+
+def test_zero_redundancy_optimizer_is_refused_with_what_to_do():
+    said = run_local(_zero_refused, 1, threads=1, timeout=120)[0]
+    assert said is not None and "ZeRO steps each rank's shard" in said and "without optimizer=" in said

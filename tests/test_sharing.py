@@ -359,6 +359,11 @@ def test_default_compression_follows_the_optimizer():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert isinstance(SharedOptimizer(torch.optim.Adafactor([w])).compression, Ternary)
+    if hasattr(torch.optim, "Muon"):                 # orthogonalized steps: entries of similar size (Ternary)
+        m = nn.Parameter(torch.zeros(3, 4))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert isinstance(SharedOptimizer(torch.optim.Muon([m])).compression, Ternary)
 
 
 def test_explicit_compression_and_legacy_names():

@@ -8,7 +8,7 @@ writes one int32 message per rank and step (gradshare.message):
   About 55-60x fewer bytes than a float32 allreduce with two ranks over a 1000-step run. For updates with
   a few large entries and many small ones: SGD's.
 - ``Ternary(fraction=0.5)``: every element as -s, 0 or +s with one scale s per chunk (2 bits per
-  element: 16x fewer bytes). For updates whose entries are all of similar size: Adam's, whose
+  element: 16x fewer bytes). For updates whose entries are all of similar size: Adam's (and Muon's), whose
   normalised steps leave top-k nothing to pick between, and whose second moment would be distorted by
   gradients that arrive in rare large bursts.
 - ``Strom(threshold)``: DL4J's scheme, each entry that reached tau sent as +-tau (``Fixed`` / ``Adaptive``
@@ -250,8 +250,9 @@ class Dense(Compression):
 # Ternary for those that divide by a second-moment estimate, whose entries are of similar size.
 SGD_LIKE = (torch.optim.SGD, torch.optim.ASGD, torch.optim.Rprop)
 ADAPTIVE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
-            torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop) + (
-            (torch.optim.Adafactor,) if hasattr(torch.optim, "Adafactor") else ())
+            torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop) + tuple(
+            getattr(torch.optim, name) for name in ("Adafactor", "Muon") if hasattr(torch.optim, name))
+# (Muon's steps are orthogonalized matrices: every entry of similar size too.)
 _warned: set = set()
 
 

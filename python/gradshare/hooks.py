@@ -44,6 +44,7 @@ every rank's scaler skip the step and back off.
 """
 
 import threading
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -53,7 +54,9 @@ from gradshare import comm
 from gradshare._deprecation import RenamedAttribute, renamed_kwargs
 from gradshare.comm import NonFiniteStepError
 from gradshare.sharing import Bucket, Sharing, SharingFront
-from gradshare.stats import Statistics
+from gradshare.costmodel import ring_allreduce_bytes
+from gradshare.link import ALLREDUCE
+from gradshare.stats import Statistics, StepRecord
 from gradshare.thresholds import ResidualClipping
 
 _DEFAULT = object()
@@ -123,10 +126,43 @@ class ThresholdState(SharingFront):
         self._pending_residuals: Dict[int, torch.Tensor] = {}
         self._pending_velocities: Dict[int, torch.Tensor] = {}
         self._pending_policies: Dict[int, Dict[str, Any]] = {}
+        # updates mode: per DDP bucket (keyed by its parameters), the slices of its buffer that hold
+        # parameters the optimizer does not step (all-reduced as DDP does; see _uncovered)
+        self._uncovered: Dict[tuple, List[tuple]] = {}
         if optimizer is not None:
+            if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+                raise ValueError(
+                    "ThresholdState(optimizer=ZeroRedundancyOptimizer): ZeRO steps each rank's shard of the "
+                    "parameters and broadcasts it, so no rank makes an update of its own to share. Use "
+                    "ThresholdState() without optimizer= (gradshare shares the gradients, ZeRO steps on their "
+                    "mean), or the inner optimizer without ZeRO.")
             self.sharing.build((p for g in optimizer.param_groups for p in g["params"]), bucket_cap_mb)
             self._handles = [optimizer.register_step_pre_hook(self._before_step),
                              optimizer.register_step_post_hook(self._after_step)]
+
+    def uncovered(self, params) -> List[tuple]:
+        """Updates mode: ``(offset, numel)`` of each parameter of a DDP bucket (``params``, in the bucket's
+        order) that the optimizer given to this state does not step: a second optimizer's, or one added to
+        a param group later. Their gradients are all-reduced as DDP would, so that whatever steps them sees
+        the same mean gradient on every rank; a warning says so, once."""
+        key = tuple(id(p) for p in params)
+        out = self._uncovered.get(key)
+        if out is None:
+            covered = {id(p) for b in self.sharing.buckets for p in b.params}
+            out, off = [], 0
+            for p in params:
+                if id(p) not in covered:
+                    out.append((off, p.numel()))
+                off += p.numel()
+            self._uncovered[key] = out
+            if out and not getattr(self, "_warned_uncovered", False):
+                self._warned_uncovered = True
+                warnings.warn(
+                    f"gradshare: {len(out)} parameter(s) ({sum(k for _, k in out)} elements) that DDP reduces are "
+                    f"not in the optimizer given to ThresholdState ({type(self.optimizer).__name__}); their "
+                    "gradients are all-reduced uncompressed, as DDP does, so that the optimizer that steps them "
+                    "sees the same mean gradient on every rank.", UserWarning, stacklevel=3)
+        return out
 
     def _init_runtime(self) -> None:
         self._lock = threading.Lock()
@@ -403,6 +439,7 @@ def _updates_hook(state: ThresholdState, bucket, buf: torch.Tensor) -> torch.fut
         if bucket.index() == 0:                    # DDP reduces its buckets in order: a new backward
             with state._lock:
                 state._mean_bad = None
+        _record_uncovered(state, state.uncovered(bucket.parameters()))
         world = dist.get_world_size(state.process_group)
         # Summed, then scaled in the pass that checks it (comm.scale_nonfinite); a half-precision bucket is
         # divided first, so that its sum cannot overflow.
@@ -419,20 +456,54 @@ def _updates_hook(state: ThresholdState, bucket, buf: torch.Tensor) -> torch.fut
 
         return work.get_future().then(reduced)
     bad = comm.any_nonfinite([buf])
+    uncovered = _allreduce_uncovered(state, bucket.parameters(), buf)
     with state._lock:
         state._bad = bad if state._bad is None else torch.maximum(state._bad, bad)
         if not bucket.is_last():
-            return _done(buf)
+            return _done(buf) if uncovered is None else uncovered
         flag, state._bad = state._bad, None
     flags = torch.empty(dist.get_world_size(state.process_group), dtype=flag.dtype, device=flag.device)
     work = comm.all_gather_fn()(flags, flag, group=state.process_group, async_op=True)
 
     def agreed(f) -> torch.Tensor:
-        f.value()
+        for x in f.value():
+            x.value()
         # Set on every backward: a step that a GradScaler skips runs no optimizer hook to clear it.
         state._nonfinite_ranks = [r for r, x in enumerate(flags.tolist()) if x > 0]
         if state._nonfinite_ranks:
             buf.fill_(float("nan"))
         return buf
 
-    return work.get_future().then(agreed)
+    return torch.futures.collect_all([work.get_future()] + ([uncovered] if uncovered is not None else [])).then(agreed)
+
+
+def _allreduce_uncovered(state: ThresholdState, params, buf: torch.Tensor) -> Optional[torch.futures.Future]:
+    """Updates mode, a compressed step: the mean gradient, as DDP's, of the parameters in this bucket that
+    the optimizer does not step (ThresholdState.uncovered); None when there are none. The future gives
+    ``buf`` once their slices hold the mean."""
+    slices = state.uncovered(params)
+    if not slices:
+        return None
+    _record_uncovered(state, slices)
+    world = dist.get_world_size(state.process_group)
+    flat = torch.cat([buf[o:o + k] for o, k in slices]).div_(world)     # divided first, as DDP's hook does
+    work = dist.all_reduce(flat, group=state.process_group, async_op=True)
+
+    def reduced(f) -> torch.Tensor:
+        out = f.value()[0]
+        at = 0
+        for o, k in slices:
+            buf[o:o + k].copy_(out[at:at + k])
+            at += k
+        return buf
+
+    return work.get_future().then(reduced)
+
+
+def _record_uncovered(state: ThresholdState, slices: List[tuple]) -> None:
+    """Counts the all-reduce of parameters the optimizer does not step in the statistics (bucket -1)."""
+    n = sum(k for _, k in slices)
+    if n:
+        sent = ring_allreduce_bytes(dist.get_world_size(state.process_group), n)
+        state.stats.add(StepRecord(step=state.sharing.step, bucket=-1, n=n, tau=float("nan"), count=n, density=1.0,
+                                   format=ALLREDUCE, bytes_sent=sent, dense_bytes=sent))
