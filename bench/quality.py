@@ -14,6 +14,9 @@ seen).
     python bench/quality.py --workloads mnist_cnn --contenders ddp,gradshare --seeds 0
     python bench/quality.py --report bench/results/quality    # re-render the tables of a run
 
+A workload may train with several optimizers (``char_lm_muon``: Muon and AdamW); gradshare is given the first,
+and the others step on the mean gradient its hook all-reduces for their parameters.
+
 Contenders: ``ddp`` (DDP allreduce), ``powersgd`` (torch's PowerSGD hook, rank 2, dense for the first 10%
 of steps as its docs advise), ``gradshare`` (DDP + ``ThresholdState(optimizer=opt, link=None)``: the
 defaults with compression on at every step), ``gradshare_auto`` (``ThresholdState(optimizer=opt)`` as is:
@@ -132,7 +135,8 @@ def rank_main(cfg: Dict) -> Dict:
         net = model
     else:
         net = DDP(model, bucket_cap_mb=math.ceil(4 * n / 2**20) + 1) if name == "powersgd" else DDP(model)
-    opt = wl.optimizer(net.parameters())
+    made = wl.optimizer(net.parameters())
+    opt, *others = made if isinstance(made, tuple) else (made,)   # several: the first is the one shared
     stepper = opt
     state = None
     if local:
@@ -182,20 +186,23 @@ def rank_main(cfg: Dict) -> Dict:
         if name == "gradshare_own_moment":
             state.sharing.global_second_moment = False
         net.register_comm_hook(state, gradshare.threshold_hook)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=wl.steps)
+    scheds = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=wl.steps) for o in [opt] + others]
     losses, t0 = [], time.perf_counter()
     scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
     half = torch.bfloat16 if precision == "bf16" else torch.float16
     for step in range(wl.steps):
         x, y = data.batch(step, rank if name != "single" else 0, world if name != "single" else 1, wl.batch)
         counter.on = True
-        opt.zero_grad(set_to_none=True)
+        for o in [opt] + others:
+            o.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=half, enabled=bool(precision)):
             loss = data.loss(net(x), y)
         scaler.scale(loss).backward()
-        scaler.step(stepper)
+        for o in [stepper] + others:
+            scaler.step(o)
         scaler.update()
-        sched.step()
+        for sched in scheds:
+            sched.step()
         counter.on = False
         losses.append(float(loss.detach()))
     seconds = time.perf_counter() - t0
@@ -268,6 +275,21 @@ def summarize(results: List[Dict]) -> str:
     return "\n".join(lines)
 
 
+def split_contenders(text: str) -> List[str]:
+    """Contender names separated by ";" or by commas outside brackets (gs:EXPR and la:EXPR hold commas)."""
+    if ";" in text:
+        return [c for c in text.split(";") if c]
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return [c for c in out + [cur] if c]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default="mnist_cnn,mlp,bn_cnn,char_lm")
@@ -286,8 +308,7 @@ def main(argv=None) -> int:
     import workloads
 
     data_dir = args.data_dir or workloads.MNIST_DIR
-    sep = ";" if ";" in args.contenders else ","      # gs:EXPR contenders hold commas: separate them with ;
-    contenders = [c for c in args.contenders.split(sep) if c]
+    contenders = split_contenders(args.contenders)
     unknown = [c for c in contenders if c.partition("@")[0] not in CONTENDERS and not c.startswith(("gs:", "la:"))]
     if unknown:
         p.error(f"unknown contender(s) {unknown}; choose from {', '.join(CONTENDERS)}")

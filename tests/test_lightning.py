@@ -84,6 +84,18 @@ def test_resuming_with_another_number_of_ranks_is_refused():
         strategy.load_optimizer_state_dict(ckpt)
 
 
+def test_resuming_with_other_optimizers_is_refused():
+    strategy = GradshareStrategy(link=None)
+    opt = torch.optim.AdamW(net().parameters())
+    strategy.state = ThresholdState(optimizer=opt, link=None)
+    strategy.optimizers = [opt]
+    entry = {"sharing": strategy.state.state_dict(), "optimizer": opt.state_dict()}
+    ckpt = {"optimizer_states": [opt.state_dict(), opt.state_dict()],
+            CHECKPOINT_KEY: {"world_size": 1, "ranks": [entry], "optimizer": 1}}
+    with pytest.raises(ValueError, match="holds 2 optimizer state.*shared optimizer #1.*this run has 1"):
+        strategy.load_optimizer_state_dict(ckpt)
+
+
 # --------------------------------------------------------------------------------------------------
 # Training under Lightning, 2 ranks
 # --------------------------------------------------------------------------------------------------
@@ -159,3 +171,61 @@ def test_fit_from_a_lightning_checkpoint_continues_bit_for_bit(tmp_path):
         assert np.array_equal(r["resumed"][0], params)       # bitwise, on every rank
         assert np.array_equal(r["resumed"][1], residual)
         assert np.array_equal(params, res[0]["full"][0])
+
+
+# --------------------------------------------------------------------------------------------------
+# Several optimizers (manual optimization): the largest shared, the others all-reduced as DDP does
+# --------------------------------------------------------------------------------------------------
+class _TwoOptimizers(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = cnn()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, i):
+        x, y = batch
+        small, large = self.optimizers()
+        small.zero_grad(), large.zero_grad()
+        loss = F.cross_entropy(self.net(x), y)
+        self.manual_backward(loss)
+        small.step(), large.step()
+
+    def configure_optimizers(self):
+        # the features (4,800 elements) with SGD first, the classifier (101,066) with AdamW: shared
+        return (torch.optim.SGD(self.net.features.parameters(), lr=0.05, momentum=0.9),
+                torch.optim.AdamW(self.net.classifier.parameters(), lr=3e-3))
+
+
+def _two_resume(root):
+    warnings.simplefilter("ignore")
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def trainer(strategy, epochs, callbacks=(), checkpointing=False):
+        return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs,
+                         callbacks=list(callbacks), enable_checkpointing=checkpointing, default_root_dir=root,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False)
+
+    full, first = _TwoOptimizers(), GradshareStrategy(link=None)
+    trainer(first, 3, [ModelCheckpoint(dirpath=root, save_top_k=-1)], checkpointing=True).fit(full, _loader())
+    verify_replicas(full.net)
+    path = sorted(glob.glob(os.path.join(root, "*.ckpt")))[1]           # after the second epoch
+    saved = torch.load(path, weights_only=True)
+    again, second = _TwoOptimizers(), GradshareStrategy(link=None)
+    trainer(second, 3).fit(again, _loader(), ckpt_path=path)
+    verify_replicas(again.net)
+    return {"shared": first.shared_index, "saved_index": saved[CHECKPOINT_KEY]["optimizer"],
+            "steps": (first.state.step_count, second.state.step_count),
+            "uncovered": sum(r.n for r in first.state.stats.history if r.bucket == -1),
+            "full": flat(full.net), "resumed": flat(again.net)}
+
+
+@pytest.mark.slow
+def test_several_optimizers_share_the_largest_and_resume_bit_for_bit(tmp_path):
+    res = run_local(_two_resume, 2, (str(tmp_path),), timeout=200)
+    for r in res:
+        assert r["shared"] == r["saved_index"] == 1                    # AdamW's 101,066 elements
+        assert r["steps"] == (3 * BATCHES, 3 * BATCHES)
+        assert r["uncovered"] == 3 * BATCHES * 4_800                    # SGD's, all-reduced every step
+        assert np.array_equal(r["resumed"], r["full"])                  # bitwise, on every rank
+        assert np.array_equal(r["full"], res[0]["full"])

@@ -25,8 +25,11 @@ data: a weights-only ``torch.load`` reads it; the file holds W optimizer states)
 ``trainer.fit(ckpt_path=...)`` gives each rank its own entry back, which needs the same number of
 processes. Weights-only checkpoints leave it out.
 
-Limits: one optimizer (``configure_optimizers`` returning several raises ValueError: DDP's hook is one per
-model), and not LBFGS, whose step evaluates the closure several times.
+Several optimizers (``configure_optimizers`` returning several, with manual optimization): gradshare shares
+the updates of the one that holds the most parameter elements; the parameters of the others are all-reduced
+uncompressed by the hook, as DDP does (gradshare.hooks), so their optimizers' states stay the same on every
+rank and rank 0's copy in the checkpoint serves all. Not LBFGS, whose step evaluates the closure several
+times.
 """
 from typing import Any, Dict, Optional
 
@@ -70,18 +73,21 @@ class GradshareStrategy(DDPStrategy):
         self.state_kwargs: Dict[str, Any] = {k: kwargs.pop(k) for k in list(kwargs) if k in STATE_OPTIONS}
         super().__init__(**kwargs)
         self.state: Optional[ThresholdState] = None
+        self.shared_index = 0                      # which of the optimizers gradshare shares
 
     def setup(self, trainer) -> None:
         super().setup(trainer)   # wraps the model in DDP, then builds the optimizers
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        if len(self.optimizers) != 1:
-            raise ValueError(f"GradshareStrategy shares the updates of one optimizer; configure_optimizers "
-                             f"returned {len(self.optimizers)}")
-        opt = self.optimizers[0]
-        if isinstance(opt, torch.optim.LBFGS):
+        if not self.optimizers:
+            raise ValueError("GradshareStrategy shares an optimizer's updates; configure_optimizers returned none")
+        if any(isinstance(o, torch.optim.LBFGS) for o in self.optimizers):
             raise ValueError("GradshareStrategy: LBFGS evaluates its closure several times per step, which "
                              "gradshare's step hooks cannot follow; use a first-order optimizer")
+        # The optimizer with the most elements is shared (the first of equals); the hook all-reduces the rest.
+        sizes = [sum(p.numel() for g in o.param_groups for p in g["params"]) for o in self.optimizers]
+        self.shared_index = sizes.index(max(sizes))
+        opt = self.optimizers[self.shared_index]
         opt.register_step_pre_hook(_closure_first)   # before ThresholdState registers its own step hooks
         self.state = ThresholdState(self._ddp_kwargs.get("process_group"), optimizer=opt, **self.state_kwargs)
         assert isinstance(self.model, DistributedDataParallel)   # DDPStrategy.setup wrapped it when fitting
@@ -92,7 +98,8 @@ class GradshareStrategy(DDPStrategy):
         if self.state is not None and "optimizer_states" in checkpoint:
             # On CPU, so that rank 0 does not unpickle the other ranks' tensors onto their GPUs.
             mine = plain(to_cpu({"sharing": self.state.state_dict(),
-                                 "optimizer": checkpoint["optimizer_states"][0]}), "gradshare sharing state")
+                                 "optimizer": checkpoint["optimizer_states"][self.shared_index]}),
+                         "gradshare sharing state")
             world = dist.get_world_size()
             ranks = [None] * world if dist.get_rank() == 0 else None
             dist.gather_object(mine, ranks, dst=0)
@@ -100,7 +107,7 @@ class GradshareStrategy(DDPStrategy):
                 # Rank 0's own entry, not its gathered copy: on CPU its optimizer tensors are those of
                 # checkpoint["optimizer_states"], which torch.save then stores once.
                 ranks[0] = mine
-                checkpoint[CHECKPOINT_KEY] = {"world_size": world, "ranks": ranks}
+                checkpoint[CHECKPOINT_KEY] = {"world_size": world, "ranks": ranks, "optimizer": self.shared_index}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
@@ -113,6 +120,13 @@ class GradshareStrategy(DDPStrategy):
             super().load_optimizer_state_dict(checkpoint)
             return
         check_world_size(saved["world_size"], self.world_size)
+        index = int(saved.get("optimizer", 0))
+        if index != self.shared_index or len(checkpoint["optimizer_states"]) != len(self.optimizers):
+            raise ValueError(f"the checkpoint holds {len(checkpoint['optimizer_states'])} optimizer state(s) and "
+                             f"gradshare shared optimizer #{index}; this run has {len(self.optimizers)} and shares "
+                             f"#{self.shared_index}: configure_optimizers must return the same optimizers")
         mine = saved["ranks"][self.global_rank]
-        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": [mine["optimizer"]]})
+        states = list(checkpoint["optimizer_states"])
+        states[index] = mine["optimizer"]          # this rank's own; the others are the same on every rank
+        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
         self.state.load_state_dict(mine["sharing"])
