@@ -62,7 +62,7 @@ def optimizers() -> Dict[str, Callable[[Any], torch.optim.Optimizer]]:
 
 def _muon(params):
     """Muon for the weight matrices, AdamW for the rest (Muon takes only 2-D parameters): two optimizers on
-    one DDP model, the hook given Muon's; the rest is all-reduced as DDP does."""
+    one DDP model, the hook given both."""
     params = list(params)
     return (torch.optim.Muon([p for p in params if p.ndim == 2], lr=MUON_LR, adjust_lr_fn="match_rms_adamw"),
             torch.optim.AdamW([p for p in params if p.ndim != 2], lr=3e-3))
@@ -102,12 +102,12 @@ def _rank(name: str, contender: str, compression: str = "default", seed: int = 0
     model = _model()
     net = torch.nn.parallel.DistributedDataParallel(model)
     made = optimizers()[name](net.parameters())
-    opts = made if isinstance(made, tuple) else (made,)     # the first is the one given to the hook
+    opts = made if isinstance(made, tuple) else (made,)
     opt = opts[0]
     state = None
     if contender == "gradshare":
         kwargs = {"compression": "dense"} if compression == "dense" else {}
-        state = gradshare.ThresholdState(optimizer=opt, link=None, **kwargs)
+        state = gradshare.ThresholdState(optimizer=list(opts) if len(opts) > 1 else opt, link=None, **kwargs)
         net.register_comm_hook(state, gradshare.threshold_hook)
     scheds = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=STEPS) for o in opts]
     g, half = torch.Generator().manual_seed(99 + seed), GLOBAL_BATCH // world

@@ -14,8 +14,8 @@ seen).
     python bench/quality.py --workloads mnist_cnn --contenders ddp,gradshare --seeds 0
     python bench/quality.py --report bench/results/quality    # re-render the tables of a run
 
-A workload may train with several optimizers (``char_lm_muon``: Muon and AdamW); gradshare is given the first,
-and the others step on the mean gradient its hook all-reduces for their parameters.
+A workload may train with several optimizers (``char_lm_muon``: Muon and AdamW); the gradshare contenders are
+given all of them (``ThresholdState(optimizer=[...])``; ``opt`` in a ``gs:`` expression is the first).
 
 Contenders: ``ddp`` (DDP allreduce), ``powersgd`` (torch's PowerSGD hook, rank 2, dense for the first 10%
 of steps as its docs advise), ``gradshare`` (DDP + ``ThresholdState(optimizer=opt, link=None)``: the
@@ -161,7 +161,7 @@ def rank_main(cfg: Dict) -> Dict:
     elif name.startswith("gradshare") or name.startswith("gs:"):
         import gradshare
 
-        kwargs = {"optimizer": opt}
+        kwargs = {"optimizer": [opt] + others if others else opt}
         if name == "gradshare":
             kwargs["link"] = None          # the compression itself, at every step, whatever the link
         elif name == "gradshare_1e-2":

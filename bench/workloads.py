@@ -14,7 +14,7 @@ judged by.
 - ``mnist_cnn_adam``: the MNIST CNN trained with Adam (lr 1e-3), as many users train small conv nets.
 - ``char_lm_rmsprop``: the transformer LM trained with RMSprop (lr 5e-4).
 - ``char_lm_muon``: the transformer LM trained with two optimizers, Muon (lr 3e-2) for the blocks' weight
-  matrices and AdamW (lr 3e-3) for the embeddings, the head and the norms; gradshare is given Muon's.
+  matrices and AdamW (lr 3e-3) for the embeddings, the head and the norms.
 """
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ MUON_LR = float(os.environ.get("GRADSHARE_BENCH_MUON_LR", "3e-2"))   # of 3e-3, 
 def _muon_adamw(params):
     """Muon (``adjust_lr_fn="match_rms_adamw"``, so AdamW's learning rate suits it) for CharLM's blocks' weight
     matrices, AdamW for the rest (the embeddings come first among its parameters, the head's weight last),
-    as Muon is used: a tuple of two optimizers, the first the one gradshare shares."""
+    as Muon is used: a tuple of two optimizers."""
     params = list(params)
     hidden = [p for p in params[2:-2] if p.ndim == 2]
     ids = {id(p) for p in hidden}
@@ -153,7 +153,7 @@ WORKLOADS: Dict[str, Workload] = {
     # the LM with RMSprop (an adaptive optimizer that keeps no mean gradient: gradshare.second_moment)
     "char_lm_rmsprop": Workload("char_lm_rmsprop", CharLM, lambda ps: torch.optim.RMSprop(ps, lr=5e-4), 16, 300,
                                 "loss"),
-    # the LM with Muon for the blocks' weight matrices and AdamW for the rest: two optimizers, gradshare given Muon's
+    # the LM with Muon for the blocks' weight matrices and AdamW for the rest: two optimizers
     "char_lm_muon": Workload("char_lm_muon", CharLM, lambda ps: _muon_adamw(ps), 16, 300, "loss"),
     # the same, four times longer: local steps get 60 rounds at H=20 instead of 15
     "char_lm_1200": Workload("char_lm_1200", CharLM, lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.01),

@@ -39,15 +39,21 @@ def test_a_folder_saved_by_another_number_of_processes_is_refused(tmp_path):
         ga.read_state(path, 3)
 
 
-def _train(root, steps, save_at=None, resume=False, calls=None, **state_kwargs):
+def _train(root, steps, save_at=None, resume=False, calls=None, two=False, **state_kwargs):
     """Trains the MNIST CNN (tiny_model.cnn) for ``steps`` steps on rank-specific batches; save_state(root) after ``save_at`` steps, or
     (resume) load_state(root) first and continue from the step it was saved at."""
     warnings.simplefilter("ignore")
     rank = dist.get_rank()
     accelerator = accelerate.Accelerator(cpu=True)
     model = cnn()
-    model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
-    state = ga.share(accelerator, model, opt, **state_kwargs)
+    if two:      # AdamW for the classifier, SGD for the features: both shared
+        model, opt, sgd = accelerator.prepare(model, torch.optim.AdamW(model.classifier.parameters(), lr=3e-3),
+                                              torch.optim.SGD(model.features.parameters(), lr=0.05, momentum=0.9))
+        opts = [opt, sgd]
+    else:
+        model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+        opts = [opt]
+    state = ga.share(accelerator, model, opts if two else opt, **state_kwargs)
     out = {"rank": rank}
     start = 0
     if resume:
@@ -56,9 +62,11 @@ def _train(root, steps, save_at=None, resume=False, calls=None, **state_kwargs):
         out["start"] = (residual_of(state.state_dict()), first_moment(opt.state_dict()))
     for step in range(start, steps):
         x, y = image_batch(rank, step)
-        opt.zero_grad()
+        for o in opts:
+            o.zero_grad()
         accelerator.backward(F.cross_entropy(model(x), y))
-        opt.step()
+        for o in opts:
+            o.step()
         if step + 1 == save_at:
             accelerator.save_state(root)
     verify_replicas(model.module)
@@ -76,21 +84,23 @@ def test_the_one_line_trains_in_updates_mode_with_identical_replicas(tmp_path):
     check_one_line_run(res, STEPS, initial=cnn)
 
 
-def _resume(root):
+def _resume(root, two=False):
     # link=None: the link-aware choice times steps, so two runs could take different paths.
-    full = _train(root, STEPS, save_at=STEPS // 2, link=None)
+    full = _train(root, STEPS, save_at=STEPS // 2, link=None, two=two)
     rank = dist.get_rank()
     saved = load(ga.state_file(root, rank))
     dist.barrier()                   # both ranks have read the folder before the second run loads it
-    resumed = _train(root, STEPS, resume=True, link=None)
-    return {"full": full, "resumed": resumed, "saved": residual_of(saved.ranks[0]["sharing"]),
-            "moment": first_moment(saved.ranks[0]["optimizer"]),
+    resumed = _train(root, STEPS, resume=True, link=None, two=two)
+    entry = saved.ranks[0]
+    return {"full": full, "resumed": resumed, "saved": residual_of(entry["sharing"]),
+            "moment": first_moment(entry["optimizers"][0] if two else entry["optimizer"]),
             "world_size": saved.world_size, "saved_step": saved.step}
 
 
 @pytest.mark.slow
-def test_load_state_continues_bit_for_bit_with_every_ranks_state(tmp_path):
-    res = run_local(_resume, 2, (str(tmp_path),), timeout=150)
+@pytest.mark.parametrize("two", [False, True], ids=["one optimizer", "two optimizers"])
+def test_load_state_continues_bit_for_bit_with_every_ranks_state(tmp_path, two):
+    res = run_local(_resume, 2, (str(tmp_path), two), timeout=150)
     # What makes per-rank files necessary: residuals and AdamW moments differ between the ranks.
     assert not np.array_equal(res[0]["saved"], res[1]["saved"]) and np.abs(res[1]["saved"]).sum() > 0
     assert not np.array_equal(res[0]["moment"], res[1]["moment"])

@@ -217,7 +217,7 @@ def test_ddp_options_and_no_sync_accumulation(ddp_kw, accumulate):
 
 
 # -- a second optimizer: parameters the hook's optimizer does not step are all-reduced as DDP does ----------
-def _two_optimizers(lr_first, sharing):
+def _two_optimizers(lr_first, sharing, given="first"):
     warnings.simplefilter("always")
     torch.manual_seed(0)
     model = _Branchy(unused=False)
@@ -227,7 +227,7 @@ def _two_optimizers(lr_first, sharing):
     state = None
     with warnings.catch_warnings(record=True) as caught:
         if sharing:
-            state = ThresholdState(optimizer=first, link=None)
+            state = ThresholdState(optimizer=first if given == "first" else [first, second], link=None)
             ddp.register_comm_hook(state, threshold_hook)
         g = torch.Generator().manual_seed(dist.get_rank())
         for _ in range(8):
@@ -238,8 +238,12 @@ def _two_optimizers(lr_first, sharing):
     verify_replicas(model)
     said = [str(w.message) for w in caught if "not in the optimizer given to ThresholdState" in str(w.message)]
     uncovered = None if state is None else sum(r.n for r in state.stats.history if r.bucket == -1)
-    return ([p.detach().clone() for p in model.b.parameters()], [p.detach().clone() for p in model.a.parameters()],
-            said, uncovered)
+    out = ([p.detach().clone() for p in model.b.parameters()], [p.detach().clone() for p in model.a.parameters()],
+           said, uncovered)
+    if given == "both":
+        out += ([sh.step for sh in state.sharings], [type(sh.compression).__name__ for sh in state.sharings],
+                sorted({r.bucket for r in state.stats.history}), state.bytes_sent / state.dense_bytes)
+    return out
 
 
 def test_a_second_optimizers_parameters_are_all_reduced_as_ddp_does():
@@ -271,3 +275,82 @@ def _zero_refused():
 def test_zero_redundancy_optimizer_is_refused_with_what_to_do():
     said = run_local(_zero_refused, 1, threads=1, timeout=120)[0]
     assert said is not None and "ZeRO steps each rank's shard" in said and "without optimizer=" in said
+
+
+
+def test_several_optimizers_each_share_their_updates_compressed():
+    res = run_local(_two_optimizers, 2, (3e-3, True, "both"), threads=1, timeout=300)   # replicas checked inside
+    for r in res:
+        assert r[2] == [] and r[3] == 0                      # nothing left to all-reduce uncompressed, no warning
+        assert r[4] == [8, 8]                                # both cores shared every step
+        assert r[5] == ["Ternary", "TopK"]                   # each optimizer's own compression (AdamW, SGD)
+        assert r[6] == [0, 1]                                # one bucket numbering over both
+        assert r[7] < 1 / 10                                 # 16x and ~50x on the elements: well under a tenth
+
+
+def _two_optimizers_resume(split):
+    """Several optimizers' sharing state saved after ``split`` steps and loaded into a fresh setup: the
+    continued run ends bit for bit where an uninterrupted one does."""
+    import copy
+    warnings.simplefilter("ignore")
+    g = torch.Generator().manual_seed(dist.get_rank())
+    batches = [(torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(12)]
+
+    def setup():
+        torch.manual_seed(0)
+        model = _Branchy(unused=False)
+        ddp = DDP(model)
+        opts = [torch.optim.AdamW(model.a.parameters(), lr=3e-3),
+                torch.optim.SGD(model.b.parameters(), lr=0.05, momentum=0.9)]
+        state = ThresholdState(optimizer=opts, link=None)
+        ddp.register_comm_hook(state, threshold_hook)
+        return model, ddp, opts, state
+
+    def train(ddp, opts, todo):
+        for x, y in todo:
+            for o in opts:
+                o.zero_grad()
+            F.cross_entropy(ddp(x), y).backward()
+            for o in opts:
+                o.step()
+
+    model, ddp, opts, state = setup()
+    train(ddp, opts, batches[:split])
+    saved = copy.deepcopy({"model": model.state_dict(), "opts": [o.state_dict() for o in opts],
+                           "sharing": state.state_dict()})
+    train(ddp, opts, batches[split:])
+    again, ddp2, opts2, state2 = setup()
+    again.load_state_dict(saved["model"])
+    for o, sd in zip(opts2, saved["opts"]):
+        o.load_state_dict(sd)
+    state2.load_state_dict(saved["sharing"])
+    train(ddp2, opts2, batches[split:])
+    verify_replicas(again)
+    one = ThresholdState(optimizer=torch.optim.SGD(_Branchy(False).parameters(), lr=0.1), link=None)
+    try:
+        one.load_state_dict(saved["sharing"])
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return ([p.detach().clone() for p in model.parameters()], [p.detach().clone() for p in again.parameters()],
+            len(saved["sharing"]["others"]), refused)
+
+
+def test_several_optimizers_resume_bit_for_bit():
+    for full, resumed, others, refused in run_local(_two_optimizers_resume, 2, (5,), threads=1, timeout=300):
+        assert others == 1
+        assert all(torch.equal(a, b) for a, b in zip(full, resumed))
+        assert refused is not None and "updates of 2 optimizer(s), this state of 1" in refused
+
+
+def test_several_optimizers_are_checked():
+    a, b = nn.Linear(3, 3), nn.Linear(3, 1)
+    first = torch.optim.AdamW(a.parameters())
+    with pytest.raises(ValueError, match="both step a parameter of shape"):
+        ThresholdState(optimizer=[first, torch.optim.SGD(list(a.parameters())[:1], lr=0.1)])
+    with pytest.raises(TypeError, match="a torch.optim.Optimizer or a list of them, got Linear"):
+        ThresholdState(optimizer=[first, b])
+    with pytest.raises(ValueError, match="delay=1 shares one optimizer"):
+        ThresholdState(optimizer=[first, torch.optim.SGD(b.parameters(), lr=0.1)], delay=1)
+    with pytest.raises(ValueError, match="an empty list"):
+        ThresholdState(optimizer=[])

@@ -76,7 +76,10 @@ class ThresholdState(SharingFront):
         stats: a Statistics to record into (default: a new one, ``state.stats``).
         momentum: None (default) or m in [0, 1): momentum correction in gradshare for gradients mode
             (the optimizer must then run without momentum). Not used with ``optimizer=``.
-        optimizer: the optimizer that steps the DDP model: share its updates (recommended).
+        optimizer: the optimizer that steps the DDP model: share its updates (recommended). Several
+            optimizers (a list: Muon for the matrices and AdamW for the rest, say): each one's updates are
+            shared with the compression chosen for it, the first one's link-aware choice taken by all. A
+            parameter of the DDP model that no optimizer given steps is all-reduced as DDP does.
         bucket_cap_mb: bucket size (fp32 MiB) of the updates mode.
         link: "auto" (default): with ``optimizer=`` and the default compression, steps on which the link
             makes compression slower than DDP's all-reduce are DDP's all-reduce (gradshare.link); None:
@@ -97,8 +100,12 @@ class ThresholdState(SharingFront):
     def __init__(self, process_group=None, compression: Any = None, clipping: Any = _DEFAULT,
                  nonfinite: str = "raise", *, average: bool = True, fallback: str = "auto",
                  stats: Optional[Statistics] = None, momentum: Optional[float] = None,
-                 optimizer: Optional[torch.optim.Optimizer] = None, bucket_cap_mb: float = 25.0,
+                 optimizer: Any = None, bucket_cap_mb: float = 25.0,
                  link: Any = "auto", scaler: Optional[Any] = None, delay: int = 0):
+        optimizers = _optimizers(optimizer)
+        optimizer = optimizers[0] if optimizers else None
+        if len(optimizers) > 1 and delay:
+            raise ValueError("delay=1 shares one optimizer's updates: with several optimizers use delay=0")
         if optimizer is not None and momentum is not None:
             raise ValueError("momentum= is for sharing gradients; with optimizer= the optimizer's own momentum "
                              "is used (leave momentum=None)")
@@ -116,7 +123,9 @@ class ThresholdState(SharingFront):
                                nonfinite="skip" if self.scaler is not None else nonfinite, fallback=fallback,
                                stats=stats, momentum=momentum, clipping=clip,
                                mode="updates" if optimizer is not None else "gradients", link=link, delay=delay)
-        self.optimizer = optimizer
+        self.optimizer = optimizer                 # the first optimizer given: its core decides the path
+        self.optimizers = optimizers
+        self.sharings: List[Sharing] = [self.sharing]
         self.mode = self.sharing.mode
         self._init_runtime()
         # gradients mode: DDP's buckets, keyed by their parameters, and where each parameter lives
@@ -129,16 +138,24 @@ class ThresholdState(SharingFront):
         # updates mode: per DDP bucket (keyed by its parameters), the slices of its buffer that hold
         # parameters the optimizer does not step (all-reduced as DDP does; see _uncovered)
         self._uncovered: Dict[tuple, List[tuple]] = {}
-        if optimizer is not None:
-            if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
-                raise ValueError(
-                    "ThresholdState(optimizer=ZeroRedundancyOptimizer): ZeRO steps each rank's shard of the "
-                    "parameters and broadcasts it, so no rank makes an update of its own to share. Use "
-                    "ThresholdState() without optimizer= (gradshare shares the gradients, ZeRO steps on their "
-                    "mean), or the inner optimizer without ZeRO.")
-            self.sharing.build((p for g in optimizer.param_groups for p in g["params"]), bucket_cap_mb)
-            self._handles = [optimizer.register_step_pre_hook(self._before_step),
-                             optimizer.register_step_post_hook(self._after_step)]
+        self._core_of: Dict[int, Sharing] = {}    # id(optimizer) -> its sharing core
+        self._handles = []
+        for i, opt in enumerate(optimizers):
+            # Several optimizers (Muon and AdamW, say): one sharing core each, with the compression chosen for
+            # it; the first one's core takes the link-aware decision, which the others follow at each step.
+            sh = self.sharing if i == 0 else Sharing(
+                compression, optimizer=opt, process_group=process_group, reduce="mean" if average else "sum",
+                nonfinite=nonfinite, fallback=fallback, stats=self.sharing.stats, clipping=clip, mode="updates",
+                link=None)
+            sh.build((p for g in opt.param_groups for p in g["params"]), bucket_cap_mb)
+            if i:
+                first = sum(len(c.buckets) for c in self.sharings)
+                for b in sh.buckets:               # one numbering over all cores (statistics, agreement)
+                    b.index += first
+                self.sharings.append(sh)
+            self._core_of[id(opt)] = sh
+            self._handles += [opt.register_step_pre_hook(self._before_step),
+                              opt.register_step_post_hook(self._after_step)]
 
     def uncovered(self, params) -> List[tuple]:
         """Updates mode: ``(offset, numel)`` of each parameter of a DDP bucket (``params``, in the bucket's
@@ -148,7 +165,7 @@ class ThresholdState(SharingFront):
         key = tuple(id(p) for p in params)
         out = self._uncovered.get(key)
         if out is None:
-            covered = {id(p) for b in self.sharing.buckets for p in b.params}
+            covered = {id(p) for sh in self.sharings for b in sh.buckets for p in b.params}
             out, off = [], 0
             for p in params:
                 if id(p) not in covered:
@@ -159,9 +176,11 @@ class ThresholdState(SharingFront):
                 self._warned_uncovered = True
                 warnings.warn(
                     f"gradshare: {len(out)} parameter(s) ({sum(k for _, k in out)} elements) that DDP reduces are "
-                    f"not in the optimizer given to ThresholdState ({type(self.optimizer).__name__}); their "
-                    "gradients are all-reduced uncompressed, as DDP does, so that the optimizer that steps them "
-                    "sees the same mean gradient on every rank.", UserWarning, stacklevel=3)
+                    f"not in the optimizer given to ThresholdState "
+                    f"({', '.join(type(o).__name__ for o in self.optimizers)}); their gradients are all-reduced "
+                    "uncompressed, as DDP does, so that the optimizer that steps them sees the same mean gradient "
+                    "on every rank (pass every optimizer, optimizer=[...], to share theirs compressed too).",
+                    UserWarning, stacklevel=3)
         return out
 
     def _init_runtime(self) -> None:
@@ -171,9 +190,11 @@ class ThresholdState(SharingFront):
         self._scale: Optional[float] = None        # gradients mode: this backward's loss scale (scaler=)
         self._bad = None                           # updates mode: this backward's non-finite flag
         self._nonfinite_ranks: List[int] = []      # updates mode: ranks whose gradients were not finite
-        self._saved_grads: Optional[list] = None
-        self._allreduce_step = False               # updates mode: this step's gradients were all-reduced
-        self._mean_bad = None                      # ... and whether their mean holds a NaN or Inf
+        self._saved_grads: Dict[int, list] = {}    # updates mode, a dropped step: per core, the grads put aside
+        self._allreduce_step: Dict[int, bool] = {}  # updates mode: per core, whether this step was all-reduced
+        self._mean_bad = None                      # ... and whether the mean gradient holds a NaN or Inf
+        self._backward_allreduce = False           # the path the last backward took (the first core's choice)
+        self._dropped: set = set()                 # cores that dropped this backward's step (nonfinite="skip")
 
     # -- what the rest of gradshare reads ------------------------------------------------------------
     @property
@@ -199,12 +220,14 @@ class ThresholdState(SharingFront):
 
     # -- updates mode: the optimizer's step hooks ------------------------------------------------------
     def _before_step(self, optimizer, args, kwargs) -> None:
-        sh = self.sharing
+        sh = self._core_of.get(id(optimizer), self.sharing)
         sh.step_skipped = False
         if sh.world_size == 1:
             return
-        self._allreduce_step = sh.allreduce_now()
-        if self._allreduce_step:          # the mean gradient is the same on every rank: a local check agrees
+        # The first core's link-aware choice; the others follow the path their gradients took in backward.
+        allreduce = self._allreduce_step[id(sh)] = (sh.allreduce_now() if sh is self.sharing
+                                                    else self._backward_allreduce)
+        if allreduce:                     # the mean gradient is the same on every rank: a local check agrees
             with self._lock:
                 bad, self._mean_bad = self._mean_bad, None
             self._nonfinite_ranks = [-1] if (sh.grads_nonfinite() if bad is None else bool(bad.item())) else []
@@ -215,27 +238,29 @@ class ThresholdState(SharingFront):
                     raise NonFiniteStepError(sh.step, [], [], "mean gradient")
                 raise NonFiniteStepError(sh.step, ranks, [-1] * len(ranks), "gradients")
             # Skip: the optimizer steps no parameter whose grad is None, so its state is not touched either.
-            self._saved_grads = [(p, p.grad) for b in sh.buckets for p in b.params]
-            for p, _ in self._saved_grads:
+            saved = self._saved_grads[id(sh)] = [(p, p.grad) for b in sh.buckets for p in b.params]
+            for p, _ in saved:
                 p.grad = None
             return
-        if self._allreduce_step:
+        if allreduce:
             sh.before_allreduce_step(optimizer)
         else:
             sh.begin_updates()
 
     def _after_step(self, optimizer, args, kwargs) -> None:
-        sh = self.sharing
+        sh = self._core_of.get(id(optimizer), self.sharing)
         if sh.world_size == 1:
             return
-        if self._saved_grads is not None:
-            for p, g in self._saved_grads:
+        saved = self._saved_grads.pop(id(sh), None)
+        if saved is not None:
+            for p, g in saved:
                 p.grad = g
-            self._saved_grads = None
-            self._nonfinite_ranks = []
+            self._dropped.add(id(sh))
+            if len(self._dropped) == len(self.sharings):   # every core has dropped this backward's step
+                self._nonfinite_ranks, self._dropped = [], set()
             sh.skip_step()
             return
-        if self._allreduce_step:
+        if self._allreduce_step.get(id(sh), False):
             sh.end_allreduce_step()
         else:
             sh.share_updates()
@@ -304,7 +329,10 @@ class ThresholdState(SharingFront):
         """Updates mode: the sharing core's state. Gradients mode: residuals (and velocities) by parameter
         position, policy state per bucket, step counter, statistics."""
         if self.mode == "updates":
-            return {"mode": "updates", "sharing": self.sharing.state_dict()}
+            out = {"mode": "updates", "sharing": self.sharing.state_dict()}
+            if len(self.sharings) > 1:             # the other optimizers' cores, in the order given
+                out["others"] = [sh.state_dict() for sh in self.sharings[1:]]
+            return out
         residuals = {sid: t.clone() for sid, t in self._pending_residuals.items()}
         velocities = {sid: t.clone() for sid, t in self._pending_velocities.items()}
         buckets = []
@@ -325,7 +353,12 @@ class ThresholdState(SharingFront):
             raise ValueError(f"load_state_dict: the checkpoint was written in {mode} mode, this state shares "
                              f"{self.mode} ({'with' if self.mode == 'updates' else 'without'} optimizer=)")
         if mode == "updates":
-            self.sharing.load_state_dict(state["sharing"])
+            others = state.get("others", [])
+            if len(others) != len(self.sharings) - 1:
+                raise ValueError(f"load_state_dict: the checkpoint shares the updates of {len(others) + 1} "
+                                 f"optimizer(s), this state of {len(self.sharings)}")
+            for sh, saved in zip(self.sharings, [state["sharing"]] + list(others)):
+                sh.load_state_dict(saved)
             return
         self.sharing.step = int(state["iteration"])
         self.sharing.stats.load_state_dict(state["stats"])
@@ -434,8 +467,11 @@ def _updates_hook(state: ThresholdState, bucket, buf: torch.Tensor) -> torch.fut
     did, makes this rank's last bucket non-finite too, so that every rank sees it (a GradScaler then skips
     the step everywhere, as with DDP)."""
     if bucket.index() == 0:
-        state.sharing.agree_all()                  # the first step's first collective: ranks agree their configuration
-    if state.sharing.allreduce_now():              # DDP's own step: the mean gradient, overlapped with backward
+        for sh in state.sharings:                  # the first step's first collective: ranks agree their configuration
+            sh.agree_all()
+        state._backward_allreduce = state.sharing.allreduce_now()
+        state._dropped = set()
+    if state._backward_allreduce:                  # DDP's own step: the mean gradient, overlapped with backward
         if bucket.index() == 0:                    # DDP reduces its buckets in order: a new backward
             with state._lock:
                 state._mean_bad = None
@@ -507,3 +543,30 @@ def _record_uncovered(state: ThresholdState, slices: List[tuple]) -> None:
         sent = ring_allreduce_bytes(dist.get_world_size(state.process_group), n)
         state.stats.add(StepRecord(step=state.sharing.step, bucket=-1, n=n, tau=float("nan"), count=n, density=1.0,
                                    format=ALLREDUCE, bytes_sent=sent, dense_bytes=sent))
+
+
+def _optimizers(optimizer: Any) -> List[torch.optim.Optimizer]:
+    """``optimizer=`` as a list: [] (None), [it], or the optimizers of a list or tuple, checked to be distinct
+    torch optimizers over disjoint parameters, none a ZeroRedundancyOptimizer."""
+    if optimizer is None:
+        return []
+    many = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if not many:
+        raise ValueError("optimizer: an empty list; pass None to share gradients")
+    seen: Dict[int, int] = {}
+    for i, opt in enumerate(many):
+        if type(opt).__name__ == "ZeroRedundancyOptimizer":
+            raise ValueError(
+                "ThresholdState(optimizer=ZeroRedundancyOptimizer): ZeRO steps each rank's shard of the "
+                "parameters and broadcasts it, so no rank makes an update of its own to share. Use "
+                "ThresholdState() without optimizer= (gradshare shares the gradients, ZeRO steps on their "
+                "mean), or the inner optimizer without ZeRO.")
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer or a list of them, got "
+                            f"{type(opt).__name__}")
+        for g in opt.param_groups:
+            for p in g["params"]:
+                if seen.setdefault(id(p), i) != i:
+                    raise ValueError(f"optimizer: optimizers #{seen[id(p)]} and #{i} both step a parameter of "
+                                     f"shape {tuple(p.shape)}; each parameter needs one optimizer")
+    return many

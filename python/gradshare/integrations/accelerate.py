@@ -7,7 +7,8 @@ exchanging gradients is what limits the step. One line after ``prepare``::
     gradshare.integrations.accelerate.share(accelerator, model, optimizer)
 
 ``share`` registers :func:`gradshare.threshold_hook` on the prepared DistributedDataParallel model with
-``ThresholdState(optimizer=...)`` built on the torch optimizer inside Accelerate's AcceleratedOptimizer:
+``ThresholdState(optimizer=...)`` built on the torch optimizer inside Accelerate's AcceleratedOptimizer (a list
+of prepared optimizers: each one's updates shared, every rank's states of all of them in its file):
 gradshare shares the optimizer's updates ("updates" mode), with the compression chosen for that optimizer
 and the link-aware choice of gradshare.link. Keyword arguments go to ThresholdState (compression=, link=,
 nonfinite=, bucket_cap_mb=, stats=, ...). It returns the ThresholdState (``state.stats``, ``state.step_count``).
@@ -26,6 +27,7 @@ starting from the main process's optimizer state with zero residuals.
 
 With one process there is nothing to share: ``share`` returns None and registers nothing.
 """
+import functools
 import os
 import warnings
 import weakref
@@ -51,7 +53,8 @@ def state_file(directory: str, rank: int, index: int = 0) -> str:
 
 
 def read_state(path: str, world_size: int) -> Dict[str, Any]:
-    """One rank's entry of a ``save_state`` folder (``{"sharing": ..., "optimizer": ...}``), checked to come from a
+    """One rank's entry of a ``save_state`` folder (``{"sharing": ..., "optimizer": ...}``, ``"optimizers": [...]``
+    with several), checked to come from a
     run of ``world_size`` processes."""
     saved = load(path)
     check_world_size(saved.world_size, world_size, path)
@@ -60,7 +63,8 @@ def read_state(path: str, world_size: int) -> Dict[str, Any]:
 
 def share(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optimizer: Any,
           **state_kwargs: Any) -> Optional[ThresholdState]:
-    """Shares ``optimizer``'s updates of the prepared ``model`` through gradshare (module docstring)."""
+    """Shares ``optimizer``'s updates of the prepared ``model`` through gradshare (module docstring); a list of
+    prepared optimizers shares each one's (``ThresholdState(optimizer=[...])``)."""
     if not isinstance(accelerator, accelerate.Accelerator):
         raise TypeError(f"share: expected an accelerate.Accelerator first, got {type(accelerator).__name__}")
     if accelerator.num_processes == 1:
@@ -70,15 +74,17 @@ def share(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optimiz
         raise TypeError(f"share: the model must be what accelerator.prepare returned under multi-process DDP (a "
                         f"DistributedDataParallel); got {type(ddp).__name__} with distributed type "
                         f"{accelerator.distributed_type} (FSDP, DeepSpeed and Megatron keep their own communication)")
-    inner = getattr(optimizer, "optimizer", optimizer)   # AcceleratedOptimizer wraps the torch optimizer
-    if not isinstance(inner, torch.optim.Optimizer):
-        raise TypeError(f"share: expected the optimizer that accelerator.prepare returned, got "
-                        f"{type(optimizer).__name__}")
+    given = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    inners = [getattr(o, "optimizer", o) for o in given]   # AcceleratedOptimizer wraps the torch optimizer
     mine = {id(p) for p in ddp.parameters()}
-    if not all(id(p) in mine for g in inner.param_groups for p in g["params"]):
-        raise ValueError("share: the optimizer steps parameters that are not the model's: pass the model and the "
-                         "optimizer built on its parameters, both as accelerator.prepare returned them")
-    state = ThresholdState(ddp.process_group, optimizer=inner, **state_kwargs)
+    for o, inner in zip(given, inners):
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise TypeError(f"share: expected the optimizer that accelerator.prepare returned (or a list of them), "
+                            f"got {type(o).__name__}")
+        if not all(id(p) in mine for g in inner.param_groups for p in g["params"]):
+            raise ValueError("share: the optimizer steps parameters that are not the model's: pass the model and "
+                             "the optimizer built on its parameters, both as accelerator.prepare returned them")
+    state = ThresholdState(ddp.process_group, optimizer=inners if len(inners) > 1 else inners[0], **state_kwargs)
     try:
         ddp.register_comm_hook(state, threshold_hook)
     except RuntimeError as e:
@@ -89,11 +95,13 @@ def share(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optimiz
     index = _shared.get(accelerator, 0)
     _shared[accelerator] = index + 1
     rank, world = dist.get_rank(), dist.get_world_size()
-    pending: list = []        # this rank's optimizer state, waiting for Accelerate to load the main process's
+    pending: Dict[int, Any] = {}   # this rank's optimizer states, waiting for Accelerate to load the main process's
 
     def save_pre_hook(models, weights, output_dir) -> None:
         # Runs on every process (save_state is called by all of them), unlike Accelerate's own saves.
-        entry = {"sharing": state.state_dict(), "optimizer": inner.state_dict()}
+        states = [inner.state_dict() for inner in inners]
+        entry = {"sharing": state.state_dict(), **({"optimizer": states[0]} if len(states) == 1 else
+                                                   {"optimizers": states})}
         write_atomic({"state": {"rank": rank}, "ranks": [entry]}, state_file(output_dir, rank, index),
                      step=state.step_count, world_size=world)
 
@@ -105,14 +113,19 @@ def share(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optimiz
                           f"starts from the main process's optimizer state with zero residuals", stacklevel=3)
             return
         entry = read_state(path, world)
+        states = entry["optimizers"] if "optimizers" in entry else [entry["optimizer"]]
+        if len(states) != len(inners):
+            raise ValueError(f"{path}: holds the state of {len(states)} optimizer(s), share() was given "
+                             f"{len(inners)}")
         state.load_state_dict(entry["sharing"])
-        pending.append(entry["optimizer"])
+        pending.update(enumerate(states))
 
-    def optimizer_pre_hook(opt, state_dict):
+    def optimizer_pre_hook(i, opt, state_dict):
         # Accelerate loads the main process's optimizer file into every process next; this rank takes its own.
-        return pending.pop() if pending else None
+        return pending.pop(i, None)
 
     accelerator.register_save_state_pre_hook(save_pre_hook)
     accelerator.register_load_state_pre_hook(load_pre_hook)
-    inner.register_load_state_dict_pre_hook(optimizer_pre_hook)
+    for i, inner in enumerate(inners):
+        inner.register_load_state_dict_pre_hook(functools.partial(optimizer_pre_hook, i))
     return state

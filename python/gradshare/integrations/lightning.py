@@ -20,16 +20,15 @@ before gradshare's step hooks so that they see the gradients of the step they sh
 Checkpoints: each rank's optimizer steps on its own gradient, so its residuals and optimizer state differ
 from the other ranks', while Lightning writes its checkpoint from global rank 0 only. The strategy gathers
 every rank's sharing state (``state.state_dict()``) and optimizer state into the checkpoint, under
-``checkpoint["gradshare"] = {"world_size": W, "ranks": [{"sharing": ..., "optimizer": ...}, ...]}`` (plain
+``checkpoint["gradshare"] = {"world_size": W, "ranks": [{"sharing": ..., "optimizer": ...}, ...]}`` (with
+several optimizers ``"optimizers": [...]`` in each rank's entry; plain
 data: a weights-only ``torch.load`` reads it; the file holds W optimizer states), and
 ``trainer.fit(ckpt_path=...)`` gives each rank its own entry back, which needs the same number of
 processes. Weights-only checkpoints leave it out.
 
-Several optimizers (``configure_optimizers`` returning several, with manual optimization): gradshare shares
-the updates of the one that holds the most parameter elements; the parameters of the others are all-reduced
-uncompressed by the hook, as DDP does (gradshare.hooks), so their optimizers' states stay the same on every
-rank and rank 0's copy in the checkpoint serves all. Not LBFGS, whose step evaluates the closure several
-times.
+Several optimizers (``configure_optimizers`` returning several, with manual optimization): each one's
+updates are shared (``ThresholdState(optimizer=[...])``), and every rank's states of all of them go into the
+checkpoint. Not LBFGS, whose step evaluates the closure several times.
 """
 from typing import Any, Dict, Optional
 
@@ -73,7 +72,6 @@ class GradshareStrategy(DDPStrategy):
         self.state_kwargs: Dict[str, Any] = {k: kwargs.pop(k) for k in list(kwargs) if k in STATE_OPTIONS}
         super().__init__(**kwargs)
         self.state: Optional[ThresholdState] = None
-        self.shared_index = 0                      # which of the optimizers gradshare shares
 
     def setup(self, trainer) -> None:
         super().setup(trainer)   # wraps the model in DDP, then builds the optimizers
@@ -84,12 +82,10 @@ class GradshareStrategy(DDPStrategy):
         if any(isinstance(o, torch.optim.LBFGS) for o in self.optimizers):
             raise ValueError("GradshareStrategy: LBFGS evaluates its closure several times per step, which "
                              "gradshare's step hooks cannot follow; use a first-order optimizer")
-        # The optimizer with the most elements is shared (the first of equals); the hook all-reduces the rest.
-        sizes = [sum(p.numel() for g in o.param_groups for p in g["params"]) for o in self.optimizers]
-        self.shared_index = sizes.index(max(sizes))
-        opt = self.optimizers[self.shared_index]
-        opt.register_step_pre_hook(_closure_first)   # before ThresholdState registers its own step hooks
-        self.state = ThresholdState(self._ddp_kwargs.get("process_group"), optimizer=opt, **self.state_kwargs)
+        for opt in self.optimizers:
+            opt.register_step_pre_hook(_closure_first)   # before ThresholdState registers its own step hooks
+        optimizer = self.optimizers[0] if len(self.optimizers) == 1 else list(self.optimizers)
+        self.state = ThresholdState(self._ddp_kwargs.get("process_group"), optimizer=optimizer, **self.state_kwargs)
         assert isinstance(self.model, DistributedDataParallel)   # DDPStrategy.setup wrapped it when fitting
         self.model.register_comm_hook(self.state, threshold_hook)
 
@@ -97,9 +93,10 @@ class GradshareStrategy(DDPStrategy):
         # Every rank runs this (Trainer.save_checkpoint) with its own dump; rank 0 writes: gather to rank 0.
         if self.state is not None and "optimizer_states" in checkpoint:
             # On CPU, so that rank 0 does not unpickle the other ranks' tensors onto their GPUs.
-            mine = plain(to_cpu({"sharing": self.state.state_dict(),
-                                 "optimizer": checkpoint["optimizer_states"][self.shared_index]}),
-                         "gradshare sharing state")
+            states = checkpoint["optimizer_states"]
+            # this rank's own optimizer state(s): with compressed updates each rank's differs
+            own = {"optimizer": states[0]} if len(states) == 1 else {"optimizers": list(states)}
+            mine = plain(to_cpu({"sharing": self.state.state_dict(), **own}), "gradshare sharing state")
             world = dist.get_world_size()
             ranks = [None] * world if dist.get_rank() == 0 else None
             dist.gather_object(mine, ranks, dst=0)
@@ -107,7 +104,7 @@ class GradshareStrategy(DDPStrategy):
                 # Rank 0's own entry, not its gathered copy: on CPU its optimizer tensors are those of
                 # checkpoint["optimizer_states"], which torch.save then stores once.
                 ranks[0] = mine
-                checkpoint[CHECKPOINT_KEY] = {"world_size": world, "ranks": ranks, "optimizer": self.shared_index}
+                checkpoint[CHECKPOINT_KEY] = {"world_size": world, "ranks": ranks}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
@@ -120,13 +117,10 @@ class GradshareStrategy(DDPStrategy):
             super().load_optimizer_state_dict(checkpoint)
             return
         check_world_size(saved["world_size"], self.world_size)
-        index = int(saved.get("optimizer", 0))
-        if index != self.shared_index or len(checkpoint["optimizer_states"]) != len(self.optimizers):
-            raise ValueError(f"the checkpoint holds {len(checkpoint['optimizer_states'])} optimizer state(s) and "
-                             f"gradshare shared optimizer #{index}; this run has {len(self.optimizers)} and shares "
-                             f"#{self.shared_index}: configure_optimizers must return the same optimizers")
         mine = saved["ranks"][self.global_rank]
-        states = list(checkpoint["optimizer_states"])
-        states[index] = mine["optimizer"]          # this rank's own; the others are the same on every rank
-        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
+        states = mine["optimizers"] if "optimizers" in mine else [mine["optimizer"]]
+        if len(states) != len(self.optimizers):
+            raise ValueError(f"the checkpoint holds the state of {len(states)} optimizer(s) per rank, this run has "
+                             f"{len(self.optimizers)}: configure_optimizers must return the same optimizers")
+        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": list(states)})
         self.state.load_state_dict(mine["sharing"])
