@@ -8,6 +8,9 @@ A small classifier (a 32-128-128-10 MLP with a LayerNorm, 22,282 parameters) lea
     gradshare  the same with ``ThresholdState(optimizer=opt, link=None)`` as its comm hook: the defaults with
                compression forced on every step (the link-aware default would pick DDP's all-reduce here)
 
+``muon_adamw`` trains with two optimizers, Muon for the weight matrices and AdamW for the rest (Muon takes only
+2-D parameters), both given to the hook (``optimizer=[muon, adamw]``).
+
 Reported per optimizer: held-out accuracy and full training loss at the end for both, the gaps, the bytes
 ratio (gradshare's bytes over DDP's), the compression the defaults chose, and whether the ranks' parameters
 are bitwise identical at the end.
