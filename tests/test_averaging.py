@@ -280,3 +280,36 @@ def _bitwise_on_cuda():
 def test_bitwise_identical_on_nccl():
     for differed, same, rounds, *_ in run_local(_bitwise_on_cuda, 2, backend="nccl", timeout=300):
         assert differed and same and rounds == 1
+
+
+# -- another optimizer stepping other parameters of the model, before ParameterAveraging does -----------------
+def _second_optimizer_first(compression):
+    import warnings
+    warnings.simplefilter("ignore")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    head = torch.optim.SGD(model[2].parameters(), lr=0.05, momentum=0.9)
+    kw = {"outer_optimizer": lambda ps: torch.optim.SGD(ps, lr=1.0)} if compression is None else {
+        "compression": compression, "residual_decay": 0.9}
+    pa = ParameterAveraging(model, torch.optim.AdamW(model[0].parameters(), lr=1e-2), frequency=4, **kw)
+    g = torch.Generator().manual_seed(rank)
+    same = []
+    for step in range(12):
+        x = torch.randn(32, 16, generator=g)
+        pa.zero_grad(), head.zero_grad()
+        nn.functional.cross_entropy(model(x), x[:, :4].argmax(1)).backward()
+        head.step()                 # before pa.step(): the first round's start is held after it stepped
+        pa.step()
+        if pa.last_averaged:
+            flat = _flat(model)
+            every = [torch.empty_like(flat) for _ in range(2)]
+            dist.all_gather(every, flat)
+            same.append(torch.equal(every[0], every[1]))
+    return same
+
+
+@pytest.mark.parametrize("compression", [None, gradshare.Ternary()], ids=["diloco", "ternary"])
+def test_a_round_ends_with_identical_replicas_when_another_optimizer_steps_first(compression):
+    for same in run_local(_second_optimizer_first, 2, (compression,), threads=1, timeout=120):
+        assert same == [True, True, True]

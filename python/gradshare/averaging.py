@@ -119,9 +119,13 @@ class ParameterAveraging(WrappedOptimizer):
                 self.outer = outer_optimizer([p for b in self.sharing.buckets for p in b.params])
                 if not isinstance(self.outer, torch.optim.Optimizer):
                     raise TypeError(f"outer_optimizer returned {type(self.outer).__name__}, not a torch.optim.Optimizer")
-        # A round's change is measured from the parameters just before its first step, so weights loaded or
-        # edited between rounds (or after construction) are not mistaken for a change to share.
-        self._round_open = False
+        # A round's change is measured from the parameters the last round ended with (the same on every rank),
+        # held as that round ends, so that another optimizer stepping other parameters of the model before
+        # this one does is part of the change; the first round's from the parameters just before its first
+        # step, so that weights loaded after construction are not mistaken for a change to share.
+        self._round_open = False       # the round's starting parameters are held (the sharing's snapshots)
+        self._stepped = False          # a step was taken since the last round
+        self._start_unchecked = False  # ... held at a step, not where a round ended: compared across ranks
 
     # ------------------------------------------------------------------------------------ optimizer API
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -129,8 +133,10 @@ class ParameterAveraging(WrappedOptimizer):
         if self.sharing is not None and not self._round_open:
             self.sharing.begin_updates()
             self._round_open = True
+            self._start_unchecked = self._others_step_the_model()
         before = self._before_step()
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        self._stepped = True
         self._to_global_batch(before)
         self.step_count += 1
         self.dense_bytes += ring_allreduce_bytes(self.world_size, self._param_count)
@@ -235,7 +241,7 @@ class ParameterAveraging(WrappedOptimizer):
         """One round with a pseudo-gradient (module docstring); parameters restored if it fails."""
         sh = self.sharing
         world = self.world_size
-        if not self._round_open:         # no step since the last round (the same on every rank): nothing to share
+        if not self._stepped:            # no step since the last round (the same on every rank): nothing to share
             self.rounds += 1
             return
         if world <= 1:
@@ -244,12 +250,41 @@ class ParameterAveraging(WrappedOptimizer):
                     b.change(b.flat)
                 sh.apply_outer(self.outer)
         else:
+            if self._start_unchecked:
+                self._agree_round_start(world)
             before = sh.stats.bytes_sent
             sh.share_updates(outer=self.outer)
             self.bytes_sent += sh.stats.bytes_sent - before
             self._average_dense([(b, b) for b in self.model.buffers() if b.is_floating_point()], world)
         self.rounds += 1
-        self._round_open = False
+        self._stepped = False
+        sh.begin_updates()                  # the next round starts here (comment in __init__)
+        self._round_open = True
+
+    def _others_step_the_model(self) -> bool:
+        """Whether the model has trainable parameters that the inner optimizer does not step (another
+        optimizer's, which may have stepped before it)."""
+        mine = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        return any(p.requires_grad and id(p) not in mine for p in self.model.parameters())
+
+    @torch.no_grad()
+    def _agree_round_start(self, world: int) -> None:
+        """A round whose starting parameters were held at its first step (the first round, or the first after
+        loading a checkpoint without them) while another optimizer steps parameters of the model: it may have
+        stepped before, on its rank's own gradient, so the ranks' starts may differ. One all-gather of a
+        digest per bucket tells; where they differ, every rank starts from their mean (one all-reduce), so
+        that the round ends with the same parameters on every rank."""
+        self._start_unchecked = False
+        sh = self.sharing
+        dev = sh.buckets[0].device
+        mine = torch.tensor([[float(b.snapshot.double().sum()), float(b.snapshot.double().abs().sum())]
+                             for b in sh.buckets], dtype=torch.float64, device=dev)
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine, group=self.process_group)
+        self.bytes_sent += (world - 1) * mine.numel() * 8
+        if all(torch.equal(every[0], e) for e in every[1:]):
+            return
+        self._average_dense([(b.snapshot, b.snapshot) for b in sh.buckets], world)
 
     @torch.no_grad()
     def _broadcast_from_rank0(self) -> None:
@@ -284,6 +319,7 @@ class ParameterAveraging(WrappedOptimizer):
             state["round_start"] = ([b.snapshot.detach().cpu().clone() for b in self.sharing.buckets]
                                     if self._round_open else None)
             state["outer"] = None if self.outer is None else self.outer.state_dict()
+            state["stepped"] = self._stepped
         return state
 
     def _load_gradshare_state(self, state: Dict[str, Any]) -> None:
@@ -302,6 +338,8 @@ class ParameterAveraging(WrappedOptimizer):
                 raise ValueError("load_state_dict: the checkpoint's round-start parameters do not match the buckets")
             self.sharing.load_state_dict(state["sharing"])
             self._round_open = starts is not None
+            self._stepped = bool(state.get("stepped", starts is not None))   # earlier files: held only mid-round
+            self._start_unchecked = False
             if starts is not None:
                 self.sharing.begin_updates()              # allocates the buffers, then the saved values
                 for b, s in zip(self.sharing.buckets, starts):
