@@ -92,7 +92,7 @@ def test_resuming_with_other_optimizers_is_refused():
     entry = {"sharing": strategy.state.state_dict(), "optimizers": [opt.state_dict(), opt.state_dict()]}
     ckpt = {"optimizer_states": [opt.state_dict(), opt.state_dict()],
             CHECKPOINT_KEY: {"world_size": 1, "ranks": [entry]}}
-    with pytest.raises(ValueError, match="state of 2 optimizer.s. per rank, this run has 1"):
+    with pytest.raises(ValueError, match="state of 2 optimizer.s. per rank, this run shares 1"):
         strategy.load_optimizer_state_dict(ckpt)
 
 

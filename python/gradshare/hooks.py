@@ -136,8 +136,9 @@ class ThresholdState(SharingFront):
         self._pending_velocities: Dict[int, torch.Tensor] = {}
         self._pending_policies: Dict[int, Dict[str, Any]] = {}
         # updates mode: per DDP bucket (keyed by its parameters), the slices of its buffer that hold
-        # parameters the optimizer does not step (all-reduced as DDP does; see _uncovered)
+        # parameters no optimizer given steps (all-reduced as DDP does; see uncovered)
         self._uncovered: Dict[tuple, List[tuple]] = {}
+        self._warned_uncovered = False
         self._core_of: Dict[int, Sharing] = {}    # id(optimizer) -> its sharing core
         self._handles = []
         for i, opt in enumerate(optimizers):
@@ -172,7 +173,7 @@ class ThresholdState(SharingFront):
                     out.append((off, p.numel()))
                 off += p.numel()
             self._uncovered[key] = out
-            if out and not getattr(self, "_warned_uncovered", False):
+            if out and not self._warned_uncovered:
                 self._warned_uncovered = True
                 warnings.warn(
                     f"gradshare: {len(out)} parameter(s) ({sum(k for _, k in out)} elements) that DDP reduces are "

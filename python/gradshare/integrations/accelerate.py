@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradshare.checkpoint import load, write_atomic
 from gradshare.hooks import ThresholdState, threshold_hook
-from gradshare.integrations.per_rank import check_world_size
+from gradshare.integrations.per_rank import check_world_size, optimizer_entry, optimizer_states
 
 __all__ = ["share", "state_file", "read_state"]
 
@@ -99,9 +99,7 @@ def share(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optimiz
 
     def save_pre_hook(models, weights, output_dir) -> None:
         # Runs on every process (save_state is called by all of them), unlike Accelerate's own saves.
-        states = [inner.state_dict() for inner in inners]
-        entry = {"sharing": state.state_dict(), **({"optimizer": states[0]} if len(states) == 1 else
-                                                   {"optimizers": states})}
+        entry = {"sharing": state.state_dict(), **optimizer_entry([inner.state_dict() for inner in inners])}
         write_atomic({"state": {"rank": rank}, "ranks": [entry]}, state_file(output_dir, rank, index),
                      step=state.step_count, world_size=world)
 
@@ -113,10 +111,7 @@ def share(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optimiz
                           f"starts from the main process's optimizer state with zero residuals", stacklevel=3)
             return
         entry = read_state(path, world)
-        states = entry["optimizers"] if "optimizers" in entry else [entry["optimizer"]]
-        if len(states) != len(inners):
-            raise ValueError(f"{path}: holds the state of {len(states)} optimizer(s), share() was given "
-                             f"{len(inners)}")
+        states = optimizer_states(entry, len(inners), path)
         state.load_state_dict(entry["sharing"])
         pending.update(enumerate(states))
 

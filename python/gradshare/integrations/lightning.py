@@ -41,7 +41,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from gradshare.checkpoint import plain
 from gradshare.hooks import ThresholdState, threshold_hook
-from gradshare.integrations.per_rank import STATE_OPTIONS, check_world_size, to_cpu
+from gradshare.integrations.per_rank import STATE_OPTIONS, check_world_size, optimizer_entry, optimizer_states, to_cpu
 
 __all__ = ["GradshareStrategy", "CHECKPOINT_KEY"]
 
@@ -93,9 +93,8 @@ class GradshareStrategy(DDPStrategy):
         # Every rank runs this (Trainer.save_checkpoint) with its own dump; rank 0 writes: gather to rank 0.
         if self.state is not None and "optimizer_states" in checkpoint:
             # On CPU, so that rank 0 does not unpickle the other ranks' tensors onto their GPUs.
-            states = checkpoint["optimizer_states"]
             # this rank's own optimizer state(s): with compressed updates each rank's differs
-            own = {"optimizer": states[0]} if len(states) == 1 else {"optimizers": list(states)}
+            own = optimizer_entry(checkpoint["optimizer_states"])
             mine = plain(to_cpu({"sharing": self.state.state_dict(), **own}), "gradshare sharing state")
             world = dist.get_world_size()
             ranks = [None] * world if dist.get_rank() == 0 else None
@@ -118,9 +117,6 @@ class GradshareStrategy(DDPStrategy):
             return
         check_world_size(saved["world_size"], self.world_size)
         mine = saved["ranks"][self.global_rank]
-        states = mine["optimizers"] if "optimizers" in mine else [mine["optimizer"]]
-        if len(states) != len(self.optimizers):
-            raise ValueError(f"the checkpoint holds the state of {len(states)} optimizer(s) per rank, this run has "
-                             f"{len(self.optimizers)}: configure_optimizers must return the same optimizers")
-        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": list(states)})
+        states = optimizer_states(mine, len(self.optimizers))
+        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
         self.state.load_state_dict(mine["sharing"])

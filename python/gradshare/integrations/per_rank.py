@@ -5,7 +5,7 @@ differ from the other ranks'; frameworks write optimizer state from one process.
 every rank's entry and gives each rank its own back, which needs the same number of processes.
 """
 import inspect
-from typing import Any
+from typing import Any, Dict, List
 
 import torch
 
@@ -23,6 +23,21 @@ def check_world_size(saved: int, world: int, where: str = "the checkpoint") -> N
     if int(saved) != int(world):
         raise ValueError(f"{where} holds gradshare state of {saved} ranks, this run has {world}: residuals and "
                          f"optimizer states are per rank, so resume with {saved} processes")
+
+
+def optimizer_entry(states: List[Any]) -> Dict[str, Any]:
+    """A rank entry's optimizer part: ``{"optimizer": state}`` for one optimizer, ``{"optimizers": [...]}`` for
+    several (in the order the sharing state was given them)."""
+    return {"optimizer": states[0]} if len(states) == 1 else {"optimizers": list(states)}
+
+
+def optimizer_states(entry: Dict[str, Any], expected: int, where: str = "the checkpoint") -> List[Any]:
+    """The optimizer states of a rank entry (:func:`optimizer_entry`), refused unless there are ``expected``."""
+    states = entry["optimizers"] if "optimizers" in entry else [entry["optimizer"]]
+    if len(states) != expected:
+        raise ValueError(f"{where} holds the state of {len(states)} optimizer(s) per rank, this run shares "
+                         f"{expected}: give it the same optimizers")
+    return list(states)
 
 
 def to_cpu(value: Any) -> Any:
