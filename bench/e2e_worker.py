@@ -61,6 +61,10 @@ CONTENDERS: Dict[str, str] = {
                               "period steps the change's top 2% with error feedback (decay 0.9)",
     "gradshare_ternary_local": "gradshare ParameterAveraging(compression=Ternary(), residual_decay=0.9): every period "
                                "steps the change ternary-coded (2 bits an element) with error feedback",
+    "gradshare_streaming": "gradshare_diloco with streaming rounds (`--fragments 4 --overlap period/4`): a quarter of "
+                           "the model every period/4 steps, each exchange travelling while the next period/4 steps train",
+    "gradshare_ternary_streaming": "gradshare_ternary_local whose exchange travels while the next step trains "
+                                   "(overlap=1)",
     "gradshare_hook_dgc": "DDP + gradshare threshold_hook with momentum correction (momentum moved into the hook, "
                           "plain SGD), Adaptive(initial=dgc_initial_tau, decay=dgc_decay, warmup_steps=dgc_warmup_steps)",
     "gradshare_optimizer_dgc": "gradshare SharedOptimizer(plain SGD, momentum=momentum), "
@@ -72,7 +76,7 @@ WORKLOADS = ("mnist_cnn", "mlp", "char_lm")
 LOSS_WORKLOADS = ("char_lm",)       # judged by validation loss, trained with bench/workloads.py's recipe
 # contenders that talk once every `period` steps: the period can be given as a suffix, NAME_hPERIOD
 PERIODIC = ("torch_averaging", "gradshare_averaging", "gradshare_diloco", "gradshare_sparse_local",
-            "gradshare_ternary_local", "torchft_diloco")
+            "gradshare_ternary_local", "gradshare_streaming", "gradshare_ternary_streaming", "torchft_diloco")
 
 
 def metric_of(workload: str) -> str:
@@ -112,6 +116,8 @@ def missing_reason(contender: str) -> Optional[str]:
             "gradshare_diloco": ("gradshare.train", ("local_steps_options",)),
             "gradshare_sparse_local": ("gradshare.train", ("local_steps_options",)),
             "gradshare_ternary_local": ("gradshare.averaging", ("ParameterAveraging",)),
+            "gradshare_streaming": ("gradshare.train", ("local_steps_options",)),
+            "gradshare_ternary_streaming": ("gradshare.averaging", ("ParameterAveraging",)),
             "torchft_diloco": ("torchft.local_sgd", ("DiLoCo",))}.get(contender)
     if contender not in CONTENDERS:
         return f"unknown contender {contender!r}"
@@ -378,17 +384,22 @@ def setup_contender(contender: str, model: nn.Module, args, task: Task, timer: T
         info["period"] = period
         account = lambda: {"bytes_sent": opt.bytes_sent, "dense_bytes": opt.dense_bytes}  # noqa: E731
         return model, opt, info, account
-    if name in ("gradshare_diloco", "gradshare_sparse_local", "gradshare_ternary_local"):
+    if name in ("gradshare_diloco", "gradshare_sparse_local", "gradshare_ternary_local", "gradshare_streaming",
+                "gradshare_ternary_streaming"):
         from gradshare.averaging import ParameterAveraging
         from gradshare.compression import Ternary
         from gradshare.train import local_steps_options
 
-        if name == "gradshare_ternary_local":
-            kwargs = {"compression": Ternary(), "residual_decay": 0.9}
+        if name in ("gradshare_ternary_local", "gradshare_ternary_streaming"):
+            kwargs = {"compression": Ternary(), "residual_decay": 0.9,
+                      "overlap": int(name == "gradshare_ternary_streaming")}
         else:                               # what `gradshare train --mode diloco / sparse_local` sets up
-            o = local_steps_options({"mode": name[len("gradshare_"):]})
+            streaming = {"fragments": 4, "overlap": period // 4} if name == "gradshare_streaming" else {}
+            o = local_steps_options({"mode": "sparse_local" if name == "gradshare_sparse_local" else "diloco",
+                                     **streaming})
             outer = o["outer_optimizer"]
             kwargs = {"compression": o["compression"], "residual_decay": o["residual_decay"],
+                      "fragments": o["fragments"], "overlap": o["overlap"],
                       "outer_optimizer": None if outer is None else (lambda ps, c=outer: c[0](ps, **c[1]))}
             info["outer_optimizer"] = None if outer is None else f"{outer[0].__name__}({outer[1]})"
         opt = ParameterAveraging(model, sgd(model.parameters()), frequency=period, **kwargs)

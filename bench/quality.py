@@ -38,7 +38,10 @@ Local steps (gradshare.averaging.ParameterAveraging, no DDP; the model talks onc
 ``diloco_h20_m0``: outer lr 1 without momentum, i.e. parameters averaged, inner state local),
 ``sparse_h20`` / ``sparse_h50`` (SparseLoCo-like: the pseudo-gradient's top 2% per chunk at 3 bytes an
 entry, decayed error feedback 0.9, the mean change applied as is), ``ternary_h4`` (every 4 steps the
-pseudo-gradient ternary-coded, 2 bits an element, decayed error feedback 0.9: 64x fewer bytes than DDP) and
+pseudo-gradient ternary-coded, 2 bits an element, decayed error feedback 0.9: 64x fewer bytes than DDP),
+streaming rounds ``fragments_h20`` (``diloco_h20_m0`` in 4 fragments synced in turn), ``streaming_h20`` (the same,
+each exchange travelling 5 steps) and
+``ternary_h4_overlap`` (``ternary_h4``, each exchange travelling 1 step), and
 ``la:EXPR`` (exploration: EXPR a
 ParameterAveraging keyword dict over gradshare's and torch's names).
 """
@@ -48,6 +51,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -56,9 +60,6 @@ from typing import Dict, List
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-CONTENDERS = ("ddp", "powersgd", "gradshare", "gradshare_auto", "gradshare_1e-2", "gradshare_1e-3", "gradshare_ternary",
-              "gradshare_topk", "gradshare_gradients", "gradshare_strom", "gradshare_own_moment", "gradshare_delayed", "single",
-              "avg_h5", "avg_h20", "diloco_h20", "diloco_h50", "diloco_h20_m0", "sparse_h20", "sparse_h50", "ternary_h4")
 LOCAL_STEPS = {
     "avg_h5": "dict(frequency=5)",
     "avg_h20": "dict(frequency=20)",
@@ -68,7 +69,13 @@ LOCAL_STEPS = {
     "sparse_h20": "dict(frequency=20, compression=TopK(0.02, warmup_steps=0), residual_decay=0.9)",
     "sparse_h50": "dict(frequency=50, compression=TopK(0.02, warmup_steps=0), residual_decay=0.9)",
     "ternary_h4": "dict(frequency=4, compression=Ternary(), residual_decay=0.9)",
+    "fragments_h20": "dict(frequency=20, outer_optimizer=nesterov(1.0, 0.0), fragments=4)",
+    "streaming_h20": "dict(frequency=20, outer_optimizer=nesterov(1.0, 0.0), fragments=4, overlap=5)",
+    "ternary_h4_overlap": "dict(frequency=4, compression=Ternary(), residual_decay=0.9, overlap=1)",
 }
+CONTENDERS = ("ddp", "powersgd", "gradshare", "gradshare_auto", "gradshare_1e-2", "gradshare_1e-3", "gradshare_ternary",
+              "gradshare_topk", "gradshare_gradients", "gradshare_strom", "gradshare_own_moment", "gradshare_delayed", "single",
+              *LOCAL_STEPS)
 
 
 def nesterov(lr: float, momentum: float):
@@ -330,7 +337,7 @@ def main(argv=None) -> int:
                 os.replace(path + ".tmp", path)
     table = summarize(results)
     with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(f"`python bench/quality.py {' '.join(argv or sys.argv[1:])}`, {args.workers} workers\n\n{table}\n")
+        f.write(f"`python bench/quality.py {shlex.join(argv or sys.argv[1:])}`, {args.workers} workers\n\n{table}\n")
     print(table)
     return 0
 

@@ -150,11 +150,16 @@ LOCAL_CONFIG = dict(FAULT_CONFIG, local={"frequency": 4, "outer_lr": 0.7, "outer
                                          "residual_decay": 0.9})
 
 
+# Streaming: two fragments, fragment 1's round sent after step 70 (2 + 4k) still travels at the checkpoint.
+STREAMING_CONFIG = dict(FAULT_CONFIG, local=dict(LOCAL_CONFIG["local"], fragments=2, overlap=1))
+
+
 @pytest.mark.slow
 @needs_torchrun
-def test_torchrun_restart_after_sigkill_resumes_local_steps_exactly(tmp_path):
-    ref = cluster_job.reference(LOCAL_CONFIG)
-    proc, out = _torchrun(tmp_path, dict(LOCAL_CONFIG, kill_at_step=75, kill_rank=1), max_restarts=2)
+@pytest.mark.parametrize("config", [LOCAL_CONFIG, STREAMING_CONFIG], ids=["rounds", "streaming"])
+def test_torchrun_restart_after_sigkill_resumes_local_steps_exactly(tmp_path, config):
+    ref = cluster_job.reference(config)
+    proc, out = _torchrun(tmp_path, dict(config, kill_at_step=75, kill_rank=1), max_restarts=2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "exitcode  : -9" in proc.stderr or "exitcode: -9" in proc.stderr
     assert out["restart_count"] == 1 and out["resumed_from"] == 70

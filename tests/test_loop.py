@@ -72,10 +72,13 @@ def _cluster_job(ckdir, opts):
     return cluster.run(train_job, opts, checkpoint_dir=ckdir, checkpoint_every=10)
 
 
-@pytest.mark.parametrize("mode", ["diloco", "sparse_local"])
-def test_local_steps_resume_from_a_mid_round_checkpoint_exactly(tmp_path, mode):
-    # a round every 3 steps (and at each epoch's end: 23 steps): the step-40 checkpoint is mid-round
-    opts = {"epochs": 2, "progress": False, "mode": mode, "frequency": 3}
+@pytest.mark.parametrize("mode, streaming", [("diloco", {}), ("sparse_local", {}),
+                                             ("diloco", {"fragments": 2, "overlap": 1})],
+                         ids=["diloco", "sparse_local", "diloco_streaming"])
+def test_local_steps_resume_from_a_mid_round_checkpoint_exactly(tmp_path, mode, streaming):
+    # a round every 3 steps (and at each epoch's end: 23 steps): the step-40 checkpoint is mid-round (streaming:
+    # fragment 1's round, sent after step 40, still travels)
+    opts = {"epochs": 2, "progress": False, "mode": mode, "frequency": 3, **streaming}
     full = run_local(_cluster_job, 2, (str(tmp_path / "full"), opts), timeout=300)[0]
     shutil.copytree(tmp_path / "full", tmp_path / "resume")
     kept = list_checkpoints(str(tmp_path / "resume"))

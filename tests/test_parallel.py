@@ -153,8 +153,9 @@ def test_arguments_are_checked_before_starting_workers():
         ParallelWrapper(SmallCNN(), ADAM, workers=1, mode="averaging", outer_optimizer=lambda ps: None)
     outer = (torch.optim.SGD, {"lr": 0.7, "momentum": 0.9, "nesterov": True})
     cfg = ParallelWrapper(SmallCNN(), ADAM, workers=1, mode="averaging", outer_optimizer=outer,
-                          residual_decay=0.9).config("digits")
+                          residual_decay=0.9, fragments=2, overlap=1).config("digits")
     assert cfg.outer_optimizer == outer and cfg.residual_decay == 0.9 and cfg.average_optimizer_state is None
+    assert (cfg.fragments, cfg.overlap) == (2, 1)
 
 
 def test_default_workers():

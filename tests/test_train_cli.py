@@ -73,6 +73,9 @@ def test_bad_option_combinations_are_rejected(capsys):
     assert main(["train", "--rdzv-endpoint", "h:1"]) == 2                  # torchrun options need torchrun
     assert main(["train", "--launcher", "torchrun", "--timeout", "0"]) == 2
     assert main(["train", "--mode", "averaging", "--outer-lr", "0.7"]) == 2     # outer options need local steps
+    assert main(["train", "--mode", "averaging", "--fragments", "2"]) == 2      # streaming needs local steps too
+    assert main(["train", "--mode", "diloco", "--frequency", "4", "--fragments", "5"]) == 2
+    assert main(["train", "--mode", "diloco", "--frequency", "4", "--fragments", "2", "--overlap", "3"]) == 2
 
 
 def test_compression_specs_and_config():
@@ -108,6 +111,9 @@ def test_local_steps_modes_build_parameter_averaging_options():
     assert s.compression.density == 0.01 and s.compression.warmup_steps == 0 and s.residual_decay == 1.0
     assert s.outer_optimizer == (torch.optim.SGD, {"lr": 1.5, "momentum": 0.0, "nesterov": False})
     assert isinstance(build_config({"mode": "diloco", "compression": "adaptive"}).compression, Adaptive)
+    assert (d.fragments, d.overlap) == (1, 0)
+    streamed = build_config({"mode": "diloco", "frequency": 20, "fragments": 4, "overlap": 5})
+    assert (streamed.fragments, streamed.overlap) == (4, 5)
     plain = build_config({"mode": "averaging", "compression": "topk"})      # averaging ignores --compression
     assert plain.compression is None and plain.outer_optimizer is None
 

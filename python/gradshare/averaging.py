@@ -24,6 +24,16 @@ pseudo-gradient) through gradshare's sharing core (gradshare.sharing), with erro
   change, at a few bytes an entry; the mean of what was sent is applied (``outer_optimizer=None``: a step of
   exactly the mean change) or handed to the outer optimizer.
 
+Streaming (Streaming DiLoCo, Douillard et al. 2025), pseudo-gradient modes: ``fragments=F`` splits the model
+into F fragments of about equal size (consecutive buckets) whose rounds are staggered, fragment f's at steps
+``f*H//F`` after fragment 0's, each every H steps: the same bytes, spread over the period, so the peak a link
+must carry falls F-fold. ``overlap=T`` lets each round's exchange travel while training goes on for T more
+inner steps (at most ``H // F``), so that the link's time hides behind compute. When it lands, the round's
+start moves by the mean change (or by the outer optimizer's step on it), the same on every rank, and the
+steps each rank took meanwhile stay on top of it: they are part of the next round's change, so nothing is
+lost. Warm-up rounds and :meth:`ParameterAveraging.average` (an epoch's end in gradshare's loops) are whole
+and synchronous; they land what still travels first.
+
 Adaptive optimizers (Adam, AdamW, NAdam, RAdam, RMSprop, Adagrad, Adadelta, Adamax, Adafactor): each inner
 step is rescaled to the second moment of the global batch (W ranks' batches), estimated from the rank's own
 moments (gradshare.second_moment): averaging W ranks' steps then moves the model as much as one step on the
@@ -69,6 +79,10 @@ class ParameterAveraging(WrappedOptimizer):
         compression: what a round sends of the pseudo-gradient (gradshare.compression: TopK, Ternary, Strom
             thresholds, "dense"); default with an outer optimizer: Dense() (a float32 all-reduce).
         residual_decay: beta in (0, 1] for the pseudo-gradient's error feedback (gradshare.sharing).
+        fragments: pseudo-gradient modes: rounds of F fragments of the model, staggered over the period (module
+            docstring: streaming). 1 (default): every round covers the whole model.
+        overlap: pseudo-gradient modes: inner steps a round's exchange travels while training goes on, from 0
+            (default: the round waits for it) to ``frequency // fragments``.
         nonfinite, bucket_cap_mb, stats: as for SharedOptimizer (pseudo-gradient modes).
 
     Use ``opt.zero_grad(); loss.backward(); opt.step()`` as with the wrapped optimizer. ``average()``
@@ -80,15 +94,27 @@ class ParameterAveraging(WrappedOptimizer):
                  average_optimizer_state: Optional[bool] = None, warmup_steps: int = 0, process_group=None,
                  sync_initial: bool = True, *, outer_optimizer: Optional[Callable[..., torch.optim.Optimizer]] = None,
                  compression: Any = None, residual_decay: float = 1.0, nonfinite: str = "raise",
-                 bucket_cap_mb: float = 25.0, stats: Optional[Statistics] = None):
+                 bucket_cap_mb: float = 25.0, stats: Optional[Statistics] = None, fragments: int = 1,
+                 overlap: int = 0):
         if int(frequency) < 1:
             raise ValueError(f"frequency: must be >= 1, got {frequency}")
+        for name, v in (("fragments", fragments), ("overlap", overlap)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name}: expected an int, got {v!r}")
+        if not 1 <= fragments <= int(frequency):
+            raise ValueError(f"fragments: expected 1 to frequency ({frequency}) fragments, got {fragments}")
+        if not 0 <= overlap <= int(frequency) // fragments:
+            raise ValueError(f"overlap: expected 0 to frequency // fragments ({int(frequency) // fragments}) steps, "
+                             f"got {overlap}: a fragment's exchange must land before the next round is sent")
         if int(warmup_steps) < 0:
             raise ValueError(f"warmup_steps: must be >= 0, got {warmup_steps}")
         if outer_optimizer is not None and not callable(outer_optimizer):
             raise TypeError("outer_optimizer: expected a callable params -> torch.optim.Optimizer, e.g. "
                             "lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)")
         pseudo = outer_optimizer is not None or compression is not None
+        if (fragments > 1 or overlap > 0) and not pseudo:
+            raise ValueError("fragments / overlap: streaming rounds share a pseudo-gradient; pass outer_optimizer= "
+                             "or compression= (averaging parameters and optimizer state is whole and synchronous)")
         if pseudo and average_optimizer_state:
             raise ValueError("average_optimizer_state=True: with outer_optimizer or compression only the "
                              "pseudo-gradient is shared; the inner optimizer's state stays on its rank")
@@ -102,7 +128,8 @@ class ParameterAveraging(WrappedOptimizer):
         self.rounds = 0
         self.bytes_sent = 0
         self.dense_bytes = 0
-        self.last_averaged = False
+        self.last_averaged = False     # the last step ended with a round of the whole model
+        self.last_round = False        # ... with a round (of a fragment, with fragments / overlap) sent or applied
         self._flat: Optional[torch.Tensor] = None
         self.rescale = second_moment.GlobalBatchStep(optimizer)   # each inner step as the global batch's
         self._param_count = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -110,11 +137,16 @@ class ParameterAveraging(WrappedOptimizer):
             self._broadcast_from_rank0()
         self.sharing: Optional[Sharing] = None
         self.outer: Optional[torch.optim.Optimizer] = None
+        self._fragments: List[List[Any]] = []    # buckets of each fragment (streaming rounds)
         if pseudo:
             self.sharing = Sharing(Dense() if compression is None else compression, optimizer=optimizer,
                                    process_group=process_group, nonfinite=nonfinite, stats=stats,
                                    mode="pseudo-gradient", residual_decay=residual_decay)
-            self.sharing.build(model.parameters(), bucket_cap_mb)
+            # Fragments of consecutive parameters, each in buckets of its own (one fragment with streaming off).
+            self._fragments = []
+            self.sharing.build([], bucket_cap_mb)
+            for part in _split(model.parameters(), fragments):
+                self._fragments.append(self.sharing.extend(part, bucket_cap_mb))
             if outer_optimizer is not None:
                 self.outer = outer_optimizer([p for b in self.sharing.buckets for p in b.params])
                 if not isinstance(self.outer, torch.optim.Optimizer):
@@ -123,6 +155,10 @@ class ParameterAveraging(WrappedOptimizer):
         # held as that round ends, so that another optimizer stepping other parameters of the model before
         # this one does is part of the change; the first round's from the parameters just before its first
         # step, so that weights loaded after construction are not mistaken for a change to share.
+        self.fragments = fragments
+        self.overlap = overlap
+        self._offsets = [(f * self.frequency) // fragments for f in range(fragments)]
+        self._inflight: List[_InFlight] = []     # overlapped rounds not applied yet, in launch order
         self._round_open = False       # the round's starting parameters are held (the sharing's snapshots)
         self._stepped = False          # a step was taken since the last round
         self._start_unchecked = False  # ... held at a step, not where a round ended: compared across ranks
@@ -140,10 +176,71 @@ class ParameterAveraging(WrappedOptimizer):
         self._to_global_batch(before)
         self.step_count += 1
         self.dense_bytes += ring_allreduce_bytes(self.world_size, self._param_count)
-        self.last_averaged = self.due(self.step_count)
+        if self._streaming and self.step_count > self.warmup_steps:
+            self.last_averaged = False
+            self.last_round = self._stream(self.step_count)
+            return loss
+        self.last_averaged = self.last_round = self.due(self.step_count)
         if self.last_averaged:
             self.average()
         return loss
+
+    @property
+    def _streaming(self) -> bool:
+        return self.fragments > 1 or self.overlap > 0
+
+    def due_fragments(self, step: int) -> List[int]:
+        """The fragments whose round ends after optimizer step ``step`` (1-based), past the warm-up."""
+        k = step - self.warmup_steps
+        return [] if k < 1 else [f for f, o in enumerate(self._offsets) if (k - o) % self.frequency == 0]
+
+    @torch.no_grad()
+    def _stream(self, step: int) -> bool:
+        """Streaming rounds after step ``step``: what lands now is applied, then the fragments due are sent
+        (and, without overlap, applied at once). Whether any round landed or was sent."""
+        landed = bool(self._inflight) and self._inflight[0].land_at <= step
+        while self._inflight and self._inflight[0].land_at <= step:
+            self._land(self._inflight.pop(0))
+        due = self.due_fragments(step)
+        for f in due:
+            if self._start_unchecked and self.world_size > 1:
+                self._agree_round_start(self.world_size)
+            frag = self._fragments[f]
+            if self.overlap:
+                self._inflight.append(_InFlight(f, step + self.overlap, self.sharing.launch_changes(frag)))
+            else:
+                self._fragment_round(frag)
+            if f == 0 and self.world_size > 1:    # floating buffers: once a period, with the first fragment
+                self._average_dense([(b, b) for b in self.model.buffers() if b.is_floating_point()], self.world_size)
+        return landed or bool(due)
+
+    def _fragment_round(self, frag: List[Any]) -> None:
+        """One synchronous round of one fragment's buckets."""
+        sh = self.sharing
+        if self.world_size <= 1:
+            if self.outer is not None:
+                for b in frag:
+                    b.change(b.flat)
+                sh.apply_outer(self.outer, frag)
+        else:
+            before = sh.stats.bytes_sent
+            sh.share_updates(outer=self.outer, buckets=frag)
+            self.bytes_sent += sh.stats.bytes_sent - before
+        self.rounds += 1
+        sh.begin_updates(frag)
+
+    def _arrive(self, r: "_InFlight") -> None:
+        """Waits for an overlapped round's exchanges (no new collective) and ends its step."""
+        if r.launched is not None:
+            before = self.sharing.stats.bytes_sent
+            launched, r.launched = r.launched, None
+            r.ok = self.sharing.arrive(launched)
+            self.bytes_sent += self.sharing.stats.bytes_sent - before
+
+    def _land(self, r: "_InFlight") -> None:
+        self._arrive(r)
+        self.sharing.land_changes(self._fragments[r.fragment], bool(r.ok), self.outer)
+        self.rounds += 1
 
     @torch.no_grad()
     def _before_step(self) -> Optional[Dict[int, torch.Tensor]]:
@@ -212,9 +309,12 @@ class ParameterAveraging(WrappedOptimizer):
 
     @torch.no_grad()
     def average(self) -> None:
-        """Averages now across the group (a collective: every rank must call it)."""
+        """Averages now across the group (a collective: every rank must call it). Streaming rounds still
+        travelling land first; then the whole model's round."""
         if self.sharing is not None:
+            self.flush()
             self._share_pseudo_gradient()
+            self.last_averaged = True
             return
         world = self.world_size
         self.rounds += 1
@@ -235,6 +335,14 @@ class ParameterAveraging(WrappedOptimizer):
         ops.average([flat], weights=[1.0 / world], out=flat)
         self._unflatten(flat, [dst for _, dst in pairs])
         self.bytes_sent += ring_allreduce_bytes(world, flat.numel())
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Applies now the streaming rounds still travelling (``overlap``), on every rank: before an evaluation
+        or at the end of training. It waits for their exchanges (no new collective); every rank calls it at the
+        same step. Nothing to do otherwise. :meth:`average` goes further: a round of the whole model."""
+        while self._inflight:
+            self._land(self._inflight.pop(0))
 
     @torch.no_grad()
     def _share_pseudo_gradient(self) -> None:
@@ -315,11 +423,20 @@ class ParameterAveraging(WrappedOptimizer):
                  "dense_bytes": self.dense_bytes, "frequency": self.frequency, "warmup_steps": self.warmup_steps,
                  "mean gradient": self.rescale.state_dict()}
         if self.sharing is not None:
-            state["sharing"] = self.sharing.state_dict()
             state["round_start"] = ([b.snapshot.detach().cpu().clone() for b in self.sharing.buckets]
                                     if self._round_open else None)
             state["outer"] = None if self.outer is None else self.outer.state_dict()
             state["stepped"] = self._stepped
+            state["streaming"] = {"fragments": self.fragments, "overlap": self.overlap, "inflight": []}
+            for r in self._inflight:            # waited for (no new collective), applied when due
+                self._arrive(r)
+                frag = self._fragments[r.fragment]
+                state["streaming"]["inflight"].append(
+                    {"fragment": r.fragment, "land_at": r.land_at, "ok": bool(r.ok),
+                     "mean": [b.mean.detach().cpu().clone() for b in frag],
+                     "launched": [b.launched.detach().cpu().clone() for b in frag]})
+            state["sharing"] = self.sharing.state_dict()       # after them: arriving commits residuals
+            state["bytes_sent"] = self.bytes_sent
         return state
 
     def _load_gradshare_state(self, state: Dict[str, Any]) -> None:
@@ -329,6 +446,11 @@ class ParameterAveraging(WrappedOptimizer):
                              ("with a pseudo-gradient (outer_optimizer / compression)" if pseudo else
                               "averaging parameters") + ", this ParameterAveraging is configured otherwise")
         if pseudo:
+            streaming = state.get("streaming") or {"fragments": 1, "overlap": 0, "inflight": []}
+            if (streaming["fragments"], streaming["overlap"]) != (self.fragments, self.overlap):
+                raise ValueError(f"load_state_dict: the checkpoint was written with fragments="
+                                 f"{streaming['fragments']}, overlap={streaming['overlap']}; this ParameterAveraging "
+                                 f"has fragments={self.fragments}, overlap={self.overlap}")
             if (state.get("outer") is None) != (self.outer is None):
                 raise ValueError("load_state_dict: outer_optimizer given in one of the checkpoint and this "
                                  "ParameterAveraging, not in the other")
@@ -346,6 +468,15 @@ class ParameterAveraging(WrappedOptimizer):
                     b.snapshot.copy_(s)
             if self.outer is not None:
                 self.outer.load_state_dict(state["outer"])
+            self._inflight = []
+            for r in streaming["inflight"]:
+                frag = self._fragments[int(r["fragment"])]
+                for b, m, l in zip(frag, r["mean"], r["launched"]):
+                    for name, src in (("mean", m), ("launched", l)):
+                        if getattr(b, name) is None:
+                            setattr(b, name, torch.empty_like(b.residual))
+                        getattr(b, name).copy_(src)
+                self._inflight.append(_InFlight(int(r["fragment"]), int(r["land_at"]), None, bool(r["ok"])))
         self.rescale.load_state_dict(state.get("mean gradient"))
         self.step_count = int(state["step"])
         self.rounds = int(state.get("rounds", 0))
@@ -357,5 +488,48 @@ class ParameterAveraging(WrappedOptimizer):
         if self.sharing is not None:
             extra = (f", outer={type(self.outer).__name__ if self.outer is not None else None}, "
                      f"compression={self.sharing.compression!r}, residual_decay={self.sharing.residual_decay}")
+            if self._streaming:
+                extra += f", fragments={self.fragments}, overlap={self.overlap}"
         return (f"ParameterAveraging({type(self.optimizer).__name__}, frequency={self.frequency}, "
                 f"average_optimizer_state={self.average_optimizer_state}, warmup_steps={self.warmup_steps}{extra})")
+
+
+class _InFlight:
+    """An overlapped round of one fragment: its exchanges (None once arrived), the step after which it is
+    applied, and whether it completed (None until it arrived)."""
+
+    def __init__(self, fragment: int, land_at: int, launched: Optional[List[Any]], ok: Optional[bool] = None):
+        self.fragment, self.land_at, self.launched, self.ok = fragment, land_at, launched, ok
+
+
+def _split(params, parts: int) -> List[List[torch.Tensor]]:
+    """The trainable parameters, in order and each once, into ``parts`` fragments of consecutive parameters whose
+    largest is as small as it can be (the peak a round sends)."""
+    seen, ps = set(), []
+    for p in params:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            ps.append(p)
+    if len(ps) < parts:
+        raise ValueError(f"fragments: the model has {len(ps)} trainable parameters (a parameter is never split), "
+                         f"fewer than {parts} fragments")
+
+    def pack(cap: int) -> List[List[torch.Tensor]]:      # consecutive parameters, a fragment up to cap elements
+        out, acc = [[]], 0
+        for p in ps:
+            if out[-1] and acc + p.numel() > cap:
+                out.append([])
+                acc = 0
+            out[-1].append(p)
+            acc += p.numel()
+        return out
+
+    lo, hi = max(p.numel() for p in ps), sum(p.numel() for p in ps)
+    while lo < hi:                                        # the smallest cap that needs no more than `parts`
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if len(pack(mid)) <= parts else (mid + 1, hi)
+    out = pack(lo)
+    while len(out) < parts:        # fewer: the largest fragment of several parameters gives up its last one
+        i = max((i for i, f in enumerate(out) if len(f) > 1), key=lambda i: sum(p.numel() for p in out[i]))
+        out[i:i + 1] = [out[i][:-1], out[i][-1:]]
+    return out

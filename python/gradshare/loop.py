@@ -69,7 +69,7 @@ class TrainConfig:
     (link-aware, gradshare.link) or None (compression at every step: runs repeat bit for bit)) or
     "averaging" (ParameterAveraging every ``frequency`` steps; with ``outer_optimizer`` (a spec as
     for ``optimizer``) and/or ``compression`` only the pseudo-gradient is shared, with ``residual_decay``:
-    DiLoCo and SparseLoCo, gradshare.averaging). ``devices``: device i % len
+    DiLoCo and SparseLoCo, gradshare.averaging; ``fragments`` and ``overlap``: its streaming rounds). ``devices``: device i % len
     for rank i (default CPU). ``on_step(state)`` runs after every step on every rank (checkpointing);
     ``resume`` is a dict from :meth:`TrainState.state_dict` or a function rank -> such a dict.
     ``train_data``: anything gradshare.data.as_dataset takes (a Dataset, a DataLoader, ready-made batches,
@@ -90,6 +90,8 @@ class TrainConfig:
     average_optimizer_state: Optional[bool] = None
     outer_optimizer: Optional[OptimizerSpec] = None
     residual_decay: float = 1.0
+    fragments: int = 1
+    overlap: int = 0
     warmup_steps: int = 0
     validation_data: Any = None
     metrics: Sequence[Any] = ("loss", "accuracy")
@@ -185,7 +187,8 @@ def _build_trainer(cfg: TrainConfig, model: nn.Module):
                                   average_optimizer_state=cfg.average_optimizer_state,
                                   warmup_steps=cfg.warmup_steps, compression=copy.deepcopy(cfg.compression),
                                   outer_optimizer=None if outer is None else functools.partial(make_optimizer, outer),
-                                  residual_decay=cfg.residual_decay)
+                                  residual_decay=cfg.residual_decay, fragments=cfg.fragments,
+                                  overlap=cfg.overlap)
     from gradshare.optim import SharedOptimizer
 
     kwargs = {"mode": cfg.shared, "compression": copy.deepcopy(cfg.compression), "link": copy.deepcopy(cfg.link)}
@@ -216,8 +219,8 @@ def comm_totals(opt) -> Tuple[int, int]:
 def comm_step_info(opt) -> Dict[str, Any]:
     """Per-step details of the last step where the optimizer exposes them (density, tau)."""
     if isinstance(opt, ParameterAveraging):
-        info = {"averaged": float(opt.last_averaged)}
-        if opt.last_averaged and opt.stats is not None:      # a pseudo-gradient round: what it sent
+        info = {"averaged": float(opt.last_round)}
+        if opt.last_round and opt.stats is not None:         # a pseudo-gradient round: what it sent
             info.update(last_exchange(opt.stats))
         return info
     return last_exchange(getattr(opt, "stats", None))

@@ -80,6 +80,7 @@ class ParallelWrapper:
         outer_optimizer: averaging mode: the outer optimizer, given like ``optimizer`` (a picklable factory
             or ``(class, kwargs)``), e.g. ``(torch.optim.SGD, dict(lr=0.7, momentum=0.9, nesterov=True))``.
         residual_decay: averaging mode with ``compression``: the pseudo-gradient's error-feedback decay.
+        fragments, overlap: averaging mode with a pseudo-gradient: streaming rounds (ParameterAveraging's).
         prefetch_buffer: batches each worker prepares ahead in a background thread.
         compression: what sharing sends (gradshare.compression; default: chosen for the optimizer); in
             averaging mode, what a round sends of the pseudo-gradient (default: parameters averaged).
@@ -105,7 +106,7 @@ class ParallelWrapper:
                  clipping: Any = "default", average_optimizer_state: Optional[bool] = None, warmup_steps: int = 0,
                  progress: bool = True, timeout: float = 7 * _DAY,
                  outer_optimizer: Any = None, residual_decay: float = 1.0, link: Any = "auto",
-                 batch_keys: Sequence[str] = ("input", "target")):
+                 fragments: int = 1, overlap: int = 0, batch_keys: Sequence[str] = ("input", "target")):
         if mode not in loop.MODES:
             raise ValueError(f"mode: expected one of {loop.MODES}, got {mode!r}")
         if isinstance(optimizer, type):
@@ -129,6 +130,7 @@ class ParallelWrapper:
         self.average_optimizer_state = average_optimizer_state
         self.outer_optimizer = outer_optimizer
         self.residual_decay = float(residual_decay)
+        self.fragments, self.overlap = int(fragments), int(overlap)
         self.link = link
         if isinstance(batch_keys, str) or len(batch_keys) != 2:
             raise ValueError(f"batch_keys: expected (inputs key, targets key), got {batch_keys!r}")
@@ -152,7 +154,8 @@ class ParallelWrapper:
             compression=self.compression, clipping=self.clipping, link=self.link,
             frequency=self.frequency,
             average_optimizer_state=self.average_optimizer_state, warmup_steps=self.warmup_steps,
-            outer_optimizer=self.outer_optimizer, residual_decay=self.residual_decay,
+            outer_optimizer=self.outer_optimizer, residual_decay=self.residual_decay, fragments=self.fragments,
+            overlap=self.overlap,
             validation_data=None if validation_data is None else _shareable(validation_data, "test", self.seed),
             metrics=tuple(metrics), seed=self.seed, devices=self.devices, prefetch_buffer=self.prefetch_buffer,
             progress=self.progress, batch_keys=self.batch_keys)

@@ -98,6 +98,7 @@ class Bucket:
         self._flat: Optional[torch.Tensor] = None
         self.snapshot: Optional[torch.Tensor] = None          # parameters before the local step (updates)
         self.mean: Optional[torch.Tensor] = None              # delay=1: the decoded mean still to be applied
+        self.launched: Optional[torch.Tensor] = None          # an overlapped round: the parameters at its launch
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -485,19 +486,21 @@ class Sharing:
             off += len(b.params)
         return out
 
-    def begin_updates(self) -> None:
-        """Before the optimizer's local step: remember every bucket's parameters. After all-reduce steps, the
-        optimizer's second moment is made each rank's own again first (gradshare.second_moment.to_own)."""
+    def begin_updates(self, buckets: Optional[Sequence[Bucket]] = None) -> None:
+        """Before the optimizer's local step: remember every bucket's parameters (or those of ``buckets``). After
+        all-reduce steps, the optimizer's second moment is made each rank's own again first
+        (gradshare.second_moment.to_own)."""
         if self._consistent and self.global_second_moment:
             second_moment.to_own(self.optimizer, (p for b in self.buckets for p in b.params), self.world_size,
                                  self.rescale)
         self._consistent = False           # each rank's optimizer now steps on its own gradient
-        for b in self.buckets:
+        for b in (self.buckets if buckets is None else buckets):
             if b.snapshot is None:
                 b.snapshot = torch.empty(b.n, dtype=torch.float32, device=b.device)
             b.gather_params(b.snapshot)
 
-    def share_updates(self, outer: Optional[torch.optim.Optimizer] = None, share_grads: bool = False) -> bool:
+    def share_updates(self, outer: Optional[torch.optim.Optimizer] = None, share_grads: bool = False,
+                      buckets: Optional[Sequence[Bucket]] = None) -> bool:
         """After the optimizer's local step(s): shares each bucket's change since :meth:`begin_updates` and
         sets every rank's parameters to (before - decoded mean change). With an ``outer`` optimizer over the
         buckets' parameters (DiLoCo), the parameters are set back to before and ``outer`` steps with the
@@ -505,20 +508,22 @@ class Sharing:
         rank, so replicas stay identical. False when the step was skipped (parameters restored).
         ``share_grads``: this rank's gradients are not finite and its optimizer did not step; it shares them
         instead of a change, so that the exchange stops every rank (NonFiniteStepError, naming the element).
-        With ``delay=1`` (:meth:`_share_updates_late`) the mean applied is the previous step's."""
+        With ``delay=1`` (:meth:`_share_updates_late`) the mean applied is the previous step's. ``buckets``: only
+        those (a fragment of the model, gradshare.averaging's streaming rounds)."""
         if self.delay:
             return self._share_updates_late(share_grads)
-        items = [(b, d, d) for b, d in zip(self.buckets, self._deltas(share_grads))]
+        bs = self.buckets if buckets is None else list(buckets)
+        items = [(b, d, d) for b, d in zip(bs, self._deltas(share_grads, bs))]
         try:
             results = self.run(items)
         except BaseException:
-            self.restore_params()
+            self.restore_params(bs)
             raise
         ok = self.finish(results)
         if ok and outer is not None:
-            self.apply_outer(outer)
+            self.apply_outer(outer, bs)
             return True
-        for b in self.buckets:
+        for b in bs:
             if ok:
                 b.set_params_before_minus(b.flat)          # before - mean update
             else:
@@ -526,12 +531,12 @@ class Sharing:
         self.link_step_ended()
         return ok
 
-    def _deltas(self, share_grads: bool) -> List[torch.Tensor]:
+    def _deltas(self, share_grads: bool, buckets: Optional[Sequence[Bucket]] = None) -> List[torch.Tensor]:
         """Each bucket's update of this step in its ``flat`` buffer: the change since :meth:`begin_updates` (as
         Adam on the global batch would have made it), or the gradients (``share_grads``)."""
         groups = second_moment.groups_of(self.optimizer) if self.global_second_moment and not share_grads else None
         out = []
-        for b in self.buckets:
+        for b in (self.buckets if buckets is None else buckets):
             if share_grads:
                 out.append(b.gather_grads(b.flat))
                 continue
@@ -596,13 +601,21 @@ class Sharing:
             self.rescale.apply(p, groups[id(p)], world, view, change=view)
 
     @torch.no_grad()
-    def apply_outer(self, outer: torch.optim.Optimizer) -> None:
+    def apply_outer(self, outer: torch.optim.Optimizer, buckets: Optional[Sequence[Bucket]] = None,
+                    means: Optional[Sequence[torch.Tensor]] = None) -> None:
         """Parameters back to the snapshot, then ``outer.step()`` on the mean change (in every bucket's flat
-        buffer) as the gradient; the parameters' own gradients are put back afterwards."""
-        saved = []
-        for b in self.buckets:
+        buffer, or ``means``) as the gradient; the parameters' own gradients are put back afterwards. With
+        ``buckets``, the outer optimizer's other parameters have no gradient meanwhile, so it leaves them and
+        their state alone (torch's optimizers skip a parameter whose ``grad`` is None)."""
+        bs = self.buckets if buckets is None else list(buckets)
+        means = [b.flat for b in bs] if means is None else list(means)
+        mine = {id(p) for b in bs for p in b.params}
+        saved = [(p, p.grad) for g in outer.param_groups for p in g["params"] if id(p) not in mine]
+        for p, _ in saved:
+            p.grad = None
+        for b, m in zip(bs, means):
             b.set_params(b.snapshot)
-            for p, v in b.views(b.flat):
+            for p, v in b.views(m):
                 saved.append((p, p.grad))
                 p.grad = v.to(p.dtype)
         try:
@@ -610,6 +623,60 @@ class Sharing:
         finally:
             for p, g in saved:
                 p.grad = g
+
+    # ------------------------------------------------------ overlapped pseudo-gradient rounds (streaming)
+    def launch_changes(self, buckets: Sequence[Bucket]) -> List[Tuple[Bucket, Any]]:
+        """Starts sharing each bucket's change since :meth:`begin_updates` (decoded mean into its ``mean``)
+        while training goes on; the parameters now are kept in ``launched``. :meth:`arrive` waits for the
+        exchanges, :meth:`land_changes` applies them."""
+        for b in buckets:
+            if b.mean is None:
+                b.mean = torch.empty_like(b.residual)
+            if b.launched is None:
+                b.launched = torch.empty_like(b.residual)
+            b.gather_params(b.launched)
+        deltas = self._deltas(False, buckets)
+        if self.world_size <= 1:                  # nothing to exchange: the mean is the rank's own change
+            for b, d in zip(buckets, deltas):
+                b.mean.copy_(d)
+            return [(b, None) for b in buckets]
+        launched = self.launch([(b, d, b.mean) for b, d in zip(buckets, deltas)])
+        if any(isinstance(f, BaseException) for _, f in launched):
+            self.collect(launched)                # a launch failed: waits for the others and raises
+        return launched
+
+    def arrive(self, launched: Sequence[Tuple[Bucket, Any]]) -> bool:
+        """Waits for the exchanges :meth:`launch_changes` started and ends their step (residuals committed,
+        statistics). False when the step was skipped. On an error the buckets' parameters are set back to
+        where their round started (on every rank), and it is raised."""
+        if all(f is None for _, f in launched):
+            return True
+        try:
+            return self.finish(self.collect(launched))
+        except BaseException:
+            self.restore_params([b for b, _ in launched])
+            raise
+
+    @torch.no_grad()
+    def land_changes(self, buckets: Sequence[Bucket], ok: bool, outer: Optional[torch.optim.Optimizer] = None) -> None:
+        """Applies an arrived overlapped round: the round's start moves by the mean change (or by ``outer``'s
+        step on it), the same on every rank, and becomes the next round's start; the steps each rank took
+        since the launch stay on top of it, so they are shared by the next round and nothing is lost. A
+        skipped round (``ok`` False) sets the parameters back to the round's start, steps since included,
+        so that every rank holds the same."""
+        for b in buckets:
+            torch.sub(b.gather_params(b.flat), b.launched, out=b.flat)    # the steps since the launch
+        if ok and outer is not None:
+            self.apply_outer(outer, buckets, [b.mean for b in buckets])
+        for b in buckets:
+            if not ok:
+                b.set_params(b.snapshot)
+            elif outer is None:
+                b.set_params_before_minus(b.mean)
+            b.gather_params(b.snapshot)
+            if ok:
+                for p, v in b.views(b.flat):
+                    p.detach().add_(v.to(p.dtype))
 
     def _grads_flag(self) -> torch.Tensor:
         dev = self.buckets[0].device if self.buckets else torch.device("cpu")
@@ -733,8 +800,8 @@ class Sharing:
         self.stats.end_step()
         self.link_step_ended()
 
-    def restore_params(self) -> None:
-        for b in self.buckets:
+    def restore_params(self, buckets: Optional[Sequence[Bucket]] = None) -> None:
+        for b in (self.buckets if buckets is None else buckets):
             if b.snapshot is not None:
                 b.set_params(b.snapshot)
 

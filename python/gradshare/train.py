@@ -116,6 +116,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default: {DILOCO_OUTER[1]} for diloco, 0 for sparse_local)")
     p.add_argument("--residual-decay", type=argtypes.number(0, 1, low_open=True), metavar="BETA",
                    help=f"sparse_local: the error-feedback decay (default: {SPARSE_LOCAL_DECAY})")
+    p.add_argument("--fragments", type=argtypes.integer(1), metavar="F",
+                   help="diloco, sparse_local: rounds of F fragments of the model, staggered over the period "
+                        "(streaming; default 1)")
+    p.add_argument("--overlap", type=argtypes.integer(0), metavar="STEPS",
+                   help="diloco, sparse_local: steps a round's exchange travels while training goes on "
+                        "(at most --frequency / --fragments; default 0)")
     p.add_argument("--data", type=argtypes.data_spec, default="digits", metavar="DATA",
                    help="digits, or mnist:PATH (a folder of MNIST idx files, .gz or not)")
     p.add_argument("--seed", type=argtypes.integer(0), default=0, help="model initialisation, data split and order")
@@ -162,7 +168,8 @@ def options_from_args(args: argparse.Namespace) -> Dict[str, Any]:
             "compression": args.compression, "link": args.link, "frequency": args.frequency,
             "data": args.data,
             "seed": args.seed, "progress": not args.no_progress, "outer_lr": args.outer_lr,
-            "outer_momentum": args.outer_momentum, "residual_decay": args.residual_decay}
+            "outer_momentum": args.outer_momentum, "residual_decay": args.residual_decay,
+            "fragments": args.fragments, "overlap": args.overlap}
 
 
 def local_steps_options(opts: Dict[str, Any]) -> Dict[str, Any]:
@@ -183,7 +190,8 @@ def local_steps_options(opts: Dict[str, Any]) -> Dict[str, Any]:
     if isinstance(compression, TopK):     # a round is many steps: no per-step warm-up of the density
         compression = TopK(compression.density, chunk=compression.chunk, warmup_steps=0, values=compression.values)
     decay = opts.get("residual_decay")
-    return {"mode": "averaging", "compression": compression,
+    return {"mode": "averaging", "compression": compression, "fragments": int(opts.get("fragments") or 1),
+            "overlap": int(opts.get("overlap") or 0),
             "residual_decay": float(decay if decay is not None else SPARSE_LOCAL_DECAY if mode == "sparse_local" else 1.0),
             "outer_optimizer": None if lr is None else
             (torch.optim.SGD, {"lr": float(lr), "momentum": float(momentum), "nesterov": float(momentum) > 0})}
@@ -306,8 +314,15 @@ def run(args: argparse.Namespace) -> int:
         print("--max-restarts needs --launcher torchrun or spark", file=sys.stderr)
         return 2
     if args.mode not in LOCAL_STEPS and (args.outer_lr is not None or args.outer_momentum is not None
-                                         or args.residual_decay is not None):
-        print("--outer-lr, --outer-momentum and --residual-decay need --mode diloco or sparse_local", file=sys.stderr)
+                                         or args.residual_decay is not None or args.fragments is not None
+                                         or args.overlap is not None):
+        print("--outer-lr, --outer-momentum, --residual-decay, --fragments and --overlap need --mode diloco or "
+              "sparse_local", file=sys.stderr)
+        return 2
+    if args.mode in LOCAL_STEPS and ((args.fragments or 1) > args.frequency
+                                     or (args.overlap or 0) > args.frequency // (args.fragments or 1)):
+        print(f"--fragments: at most --frequency ({args.frequency}); --overlap: at most --frequency / --fragments",
+              file=sys.stderr)
         return 2
     opts = options_from_args(args)
     launch = launch_options(args)
@@ -343,6 +358,8 @@ def _local_steps_text(opts: Dict[str, Any]) -> str:
     text = f", {o['compression'] or 'dense'}"
     if o["compression"] is not None:
         text += f", residual decay {o['residual_decay']:g}"
+    if o["fragments"] > 1 or o["overlap"]:
+        text += f", {o['fragments']} fragments, overlap {o['overlap']} step" + ("" if o['overlap'] == 1 else "s")
     if not outer:
         return text
     kind = "Nesterov" if outer[1]["nesterov"] else "SGD"
