@@ -25,7 +25,7 @@ pseudo-gradient) through gradshare's sharing core (gradshare.sharing), with erro
   exactly the mean change) or handed to the outer optimizer.
 
 Streaming (Streaming DiLoCo, Douillard et al. 2025), pseudo-gradient modes: ``fragments=F`` splits the model
-into F fragments of about equal size (consecutive buckets) whose rounds are staggered, fragment f's at steps
+into F fragments of consecutive parameters, of about equal size, whose rounds are staggered, fragment f's at steps
 ``f*H//F`` after fragment 0's, each every H steps: the same bytes, spread over the period, so the peak a link
 must carry falls F-fold. ``overlap=T`` lets each round's exchange travel while training goes on for T more
 inner steps (at most ``H // F``), so that the link's time hides behind compute. When it lands, the round's
@@ -510,6 +510,8 @@ def _split(params, parts: int) -> List[List[torch.Tensor]]:
         if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
             ps.append(p)
+    if parts == 1:
+        return [ps]
     if len(ps) < parts:
         raise ValueError(f"fragments: the model has {len(ps)} trainable parameters (a parameter is never split), "
                          f"fewer than {parts} fragments")
