@@ -215,10 +215,10 @@ class ParameterAveraging(WrappedOptimizer):
         return landed or bool(due)
 
     def _fragment_round(self, frag: List[Any]) -> None:
-        """One synchronous round of one fragment's buckets."""
+        """One synchronous round of these buckets (a fragment's, or all); the next round starts where it ends."""
         sh = self.sharing
         if self.world_size <= 1:
-            if self.outer is not None:
+            if self.outer is not None:                    # the rank's own change, through the outer optimizer
                 for b in frag:
                     b.change(b.flat)
                 sh.apply_outer(self.outer, frag)
@@ -352,21 +352,12 @@ class ParameterAveraging(WrappedOptimizer):
         if not self._stepped:            # no step since the last round (the same on every rank): nothing to share
             self.rounds += 1
             return
-        if world <= 1:
-            if self.outer is not None:                    # the rank's own change, through the outer optimizer
-                for b in sh.buckets:
-                    b.change(b.flat)
-                sh.apply_outer(self.outer)
-        else:
-            if self._start_unchecked:
-                self._agree_round_start(world)
-            before = sh.stats.bytes_sent
-            sh.share_updates(outer=self.outer)
-            self.bytes_sent += sh.stats.bytes_sent - before
+        if world > 1 and self._start_unchecked:
+            self._agree_round_start(world)
+        self._fragment_round(sh.buckets)    # the next round starts where it ends (comment in __init__)
+        if world > 1:
             self._average_dense([(b, b) for b in self.model.buffers() if b.is_floating_point()], world)
-        self.rounds += 1
         self._stepped = False
-        sh.begin_updates()                  # the next round starts here (comment in __init__)
         self._round_open = True
 
     def _others_step_the_model(self) -> bool:

@@ -520,16 +520,22 @@ class Sharing:
             self.restore_params(bs)
             raise
         ok = self.finish(results)
-        if ok and outer is not None:
-            self.apply_outer(outer, bs)
-            return True
-        for b in bs:
-            if ok:
-                b.set_params_before_minus(b.flat)          # before - mean update
-            else:
-                b.set_params(b.snapshot)
+        self._apply_mean(bs, [b.flat for b in bs], ok, outer)
         self.link_step_ended()
         return ok
+
+    def _apply_mean(self, buckets: Sequence[Bucket], means: Sequence[torch.Tensor], ok: bool,
+                    outer: Optional[torch.optim.Optimizer]) -> None:
+        """Each bucket's parameters set to its snapshot - the decoded mean change (``outer``: the outer
+        optimizer's step on it from the snapshot); back to the snapshot when the step was skipped."""
+        if ok and outer is not None:
+            self.apply_outer(outer, buckets, means)
+            return
+        for b, m in zip(buckets, means):
+            if ok:
+                b.set_params_before_minus(m)               # before - mean update
+            else:
+                b.set_params(b.snapshot)
 
     def _deltas(self, share_grads: bool, buckets: Optional[Sequence[Bucket]] = None) -> List[torch.Tensor]:
         """Each bucket's update of this step in its ``flat`` buffer: the change since :meth:`begin_updates` (as
@@ -666,13 +672,8 @@ class Sharing:
         so that every rank holds the same."""
         for b in buckets:
             torch.sub(b.gather_params(b.flat), b.launched, out=b.flat)    # the steps since the launch
-        if ok and outer is not None:
-            self.apply_outer(outer, buckets, [b.mean for b in buckets])
+        self._apply_mean(buckets, [b.mean for b in buckets], ok, outer)
         for b in buckets:
-            if not ok:
-                b.set_params(b.snapshot)
-            elif outer is None:
-                b.set_params_before_minus(b.mean)
             b.gather_params(b.snapshot)
             if ok:
                 for p, v in b.views(b.flat):
