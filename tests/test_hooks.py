@@ -218,8 +218,7 @@ def test_ddp_options_and_no_sync_accumulation(ddp_kw, accumulate):
 
 # -- users' scripts as they come: the one line added, whatever else the script does -------------------------
 class _TiedLSTM(nn.Module):
-    """A small LM whose output layer is its embedding (tied weights) and whose LSTM keeps its own weight
-    layout."""
+    """A small LM whose output layer is its embedding (tied weights), with an LSTM and a LayerNorm."""
 
     def __init__(self, vocab=24, width=24):
         super().__init__()
@@ -253,9 +252,9 @@ def _user_script(variant, sharing, steps=60):
     else:
         opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3, fused=variant == "fused_adamw")
     state = ThresholdState(optimizer=opt, link=None) if sharing else None
-    if sharing:
+    if state is not None:
         ddp.register_comm_hook(state, threshold_hook)
-    rounds = 2 if variant == "accumulate_without_no_sync" else 1   # each backward all-reduces, as DDP does
+    rounds = 2 if variant == "accumulate_without_no_sync" else 1   # two backward passes a step, no no_sync()
     for s in range(steps):
         for r in range(rounds):
             x, y = _copy_task(s * rounds + r, dist.get_rank())
