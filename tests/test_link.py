@@ -57,50 +57,58 @@ def _alone(costs, steps, **kw):
 
 
 def test_calibrates_then_keeps_the_faster():
+    # compression first (one untimed step, four timed), then the all-reduce (one untimed, two timed)
     link, modes = _alone({ALLREDUCE: 10.0, COMPRESSED: 4.0}, 10)
-    assert modes[:8] == [ALLREDUCE] * 3 + [COMPRESSED] * 5
+    assert modes[:8] == [COMPRESSED] * 5 + [ALLREDUCE] * 3
     assert link.choice == COMPRESSED and modes[8:] == [COMPRESSED] * 2
-    assert link.seconds == {ALLREDUCE: 10.0, COMPRESSED: 4.0}
+    assert link.seconds == {ALLREDUCE: 10.0, COMPRESSED: 4.0} and not link.estimated
     link, modes = _alone({ALLREDUCE: 10.0, COMPRESSED: 12.0}, 10)
-    assert modes[:8] == [ALLREDUCE] * 3 + [COMPRESSED] * 5
+    assert modes[:8] == [COMPRESSED] * 5 + [ALLREDUCE] * 3
     assert link.choice == ALLREDUCE and modes[8:] == [ALLREDUCE] * 2
 
 
 def test_short_steps_are_measured_for_min_seconds():
     # 5 ms steps: each choice is timed until its steps add up to 0.1 s (20 steps), at most 16 of them
     link, modes = _alone({ALLREDUCE: 0.005, COMPRESSED: 0.003}, 40)
-    assert modes[:35] == [ALLREDUCE] * 17 + [COMPRESSED] * 17 + [COMPRESSED]
+    assert modes[:35] == [COMPRESSED] * 17 + [ALLREDUCE] * 17 + [COMPRESSED]
     assert link.choice == COMPRESSED and link.decisions == 1
     link, modes = _alone({ALLREDUCE: 0.04, COMPRESSED: 0.035}, 12)  # 40 ms: 3 timed all-reduce steps cover 0.1 s
-    assert modes[:10] == [ALLREDUCE] * 4 + [COMPRESSED] * 5 + [ALLREDUCE]
+    assert modes == [COMPRESSED] * 5 + [ALLREDUCE] * 7
     assert link.choice == ALLREDUCE                                  # 0.035 * 1.25 > 0.04
     link, modes = _alone({ALLREDUCE: 0.005, COMPRESSED: 0.003}, 10, min_seconds=0)
-    assert modes[:8] == [ALLREDUCE] * 3 + [COMPRESSED] * 5
+    assert modes[:8] == [COMPRESSED] * 5 + [ALLREDUCE] * 3
     with pytest.raises(ValueError, match="min_seconds"):
         LinkAware(min_seconds=-1)
 
 
 def test_a_clear_loser_is_measured_for_two_steps_only():
-    link, modes = _alone({ALLREDUCE: 10.0, COMPRESSED: 30.0}, 8)
-    assert modes == [ALLREDUCE] * 3 + [COMPRESSED] * 3 + [ALLREDUCE] * 2
-    assert link.choice == ALLREDUCE
-    # On a slow link the all-reduce, measured again, is dropped after its second timed step.
-    link, modes = _alone({ALLREDUCE: 300.0, COMPRESSED: 10.0}, 8)
+    # On a slow link the all-reduce (measured second) is dropped after its second timed step, at the start
+    # and when it is measured again.
+    link, modes = _alone({ALLREDUCE: 300.0, COMPRESSED: 10.0}, 9)
+    assert modes == [COMPRESSED] * 5 + [ALLREDUCE] * 3 + [COMPRESSED]
     assert link.choice == COMPRESSED
     link.next_probe = link.steps
     for _ in range(6):
         modes.append(link.mode)
         link.step_ended(lambda values: values)
-    assert modes[8:] == [COMPRESSED, ALLREDUCE, ALLREDUCE, ALLREDUCE, COMPRESSED, COMPRESSED]
+    assert modes[9:] == [COMPRESSED, ALLREDUCE, ALLREDUCE, ALLREDUCE, COMPRESSED, COMPRESSED]
+    # On a fast link compression, measured again, likewise.
+    link, modes = _alone({ALLREDUCE: 10.0, COMPRESSED: 30.0}, 9)
+    assert link.choice == ALLREDUCE and modes == [COMPRESSED] * 5 + [ALLREDUCE] * 4
+    link.next_probe = link.steps
+    for _ in range(6):
+        modes.append(link.mode)
+        link.step_ended(lambda values: values)
+    assert modes[9:] == [ALLREDUCE, COMPRESSED, COMPRESSED, COMPRESSED, ALLREDUCE, ALLREDUCE]
 
 
-@pytest.mark.parametrize("paused", [4, 5, 6])
+@pytest.mark.parametrize("paused", [1, 2, 3, 4])
 def test_a_pause_of_the_users_loop_is_not_taken_for_the_exchange(paused):
-    # Compression is 2.5x faster; an evaluation (100 s) lands in one of its timed steps (steps 4-7).
+    # Compression is 2.5x faster; an evaluation (100 s) lands in one of its timed steps (steps 1-4).
     clock = PausingClock({ALLREDUCE: 10.0, COMPRESSED: 4.0}, {paused: 100.0})
     link = LinkAware(clock=clock)
     clock.link = link
-    for _ in range(8):
+    for _ in range(9):                                # 8 to decide, 1 back on compression
         link.step_ended(lambda v: v)
     assert link.choice == COMPRESSED and link.seconds == {ALLREDUCE: 10.0, COMPRESSED: 4.0}
     # The link got faster than compression: the all-reduce, measured again, wins, pause or not.
@@ -134,7 +142,7 @@ def test_the_all_reduce_is_measured_again_within_the_overhead_budget():
 
 def test_a_fast_link_that_stays_fast_sees_no_compressed_step_after_the_first_measurement():
     link, modes = _alone({ALLREDUCE: 10.0, COMPRESSED: 20.0}, 3000)
-    assert modes[:8] == [ALLREDUCE] * 3 + [COMPRESSED] * 5
+    assert modes[:8] == [COMPRESSED] * 5 + [ALLREDUCE] * 3
     assert set(modes[8:]) == {ALLREDUCE} and link.decisions == 1
     assert link.next_probe == 8 + link.max_interval     # a last look, in case compression's own step changed
 
@@ -142,7 +150,8 @@ def test_a_fast_link_that_stays_fast_sees_no_compressed_step_after_the_first_mea
 def test_the_step_back_after_a_measurement_counts_in_its_cost():
     # Compression chosen (30 s against 10 s); the first compressed step after all-reduce ones costs 100 s
     # more (the switch's own work), which a measurement of the all-reduce pays on the way back too:
-    # 20 + 2 * 20 + 100 s, every 800 steps (without it, 20 + 2 * 20 s: every 300).
+    # 20 + 2 * 20 + 100 s, every 800 steps (without it, 20 + 2 * 20 s: every 300). The step back is timed
+    # when it ends, one step after the decision, and the next measurement scheduled again then.
     for extra, interval in ((100.0, 800), (0.0, 300)):
         clock = FakeClock({ALLREDUCE: 30.0, COMPRESSED: 10.0})
         link = LinkAware(clock=clock)
@@ -157,7 +166,9 @@ def test_the_step_back_after_a_measurement_counts_in_its_cost():
 
         for _ in range(8):
             tick()
-        assert link.choice == COMPRESSED and link.next_probe == 8 + interval
+        assert link.choice == COMPRESSED and link.next_probe == 8 + 300
+        tick()
+        assert link.next_probe == 8 + interval
 
 
 def test_compression_measured_during_its_warm_up_is_measured_again_after_it():
@@ -167,6 +178,51 @@ def test_compression_measured_during_its_warm_up_is_measured_again_after_it():
     for _ in range(8):
         link.step_ended(lambda v: v)
     assert link.choice == ALLREDUCE and link.next_probe == 30     # not 8 + 50
+
+
+def _bounded(costs, bounds, steps, **kw):
+    """_alone with a link probe: ``bounds`` the bound each call returns in turn (the last one repeated)."""
+    clock = FakeClock(costs)
+    link = LinkAware(clock=clock, **kw)
+    clock.link = link
+    calls, modes = [], []
+
+    def bound():
+        calls.append(link.steps)
+        return bounds[min(len(calls), len(bounds)) - 1]
+
+    for _ in range(steps):
+        modes.append(link.mode)
+        link.step_ended(lambda values: values, bound)
+    return link, modes, calls
+
+
+def test_the_link_probe_rules_out_an_all_reduce_that_cannot_win():
+    # 100 Mbit/s and a 3.7M-parameter model: the probe bounds an all-reduce step at 1.2 s, the compressed step
+    # takes 0.08 s: no all-reduce step is run, and the bound stands for its time.
+    link, modes, calls = _bounded({ALLREDUCE: 1.3, COMPRESSED: 0.08}, [1.2], 40)
+    assert modes == [COMPRESSED] * 40 and calls == [5]
+    assert link.choice == COMPRESSED and link.estimated and link.seconds == {ALLREDUCE: 1.2, COMPRESSED: 0.08}
+    assert link.summary()["allreduce_estimated"] is True
+    # Looked at again when its time comes: still ruled out, then a faster link lets the all-reduce be measured.
+    link.next_probe = link.steps
+    link.step_ended(lambda values: values, lambda: 1.2)
+    assert link.mode == COMPRESSED and link.decisions == 2 and link.next_probe > link.steps
+    link.clock.costs[ALLREDUCE] = 0.05
+    link.next_probe = link.steps
+    modes = []
+    for _ in range(8):
+        modes.append(link.mode)
+        link.step_ended(lambda values: values, lambda: 0.01)
+    assert ALLREDUCE in modes and link.choice == ALLREDUCE and not link.estimated
+    # A bound short of clear_loss times the compressed step leaves the all-reduce to be measured.
+    link, modes, _ = _bounded({ALLREDUCE: 0.15, COMPRESSED: 0.08}, [0.15], 10)
+    assert modes[:8] == [COMPRESSED] * 5 + [ALLREDUCE] * 3 and not link.estimated
+    # A checkpoint keeps the estimate.
+    link, _, _ = _bounded({ALLREDUCE: 1.3, COMPRESSED: 0.08}, [1.2], 10)
+    other = LinkAware()
+    other.load_state_dict(link.state_dict())
+    assert other.estimated and other.seconds[ALLREDUCE] == 1.2
 
 
 def test_a_changed_link_changes_the_choice():
@@ -186,7 +242,7 @@ def test_state_dict_round_trip_and_bad_arguments():
     assert other.next_probe >= 12 + other.min_interval
     fresh = LinkAware()
     fresh.load_state_dict(LinkAware().state_dict())     # a checkpoint taken while calibrating calibrates again
-    assert fresh.mode == ALLREDUCE and len(fresh.plan) == 8
+    assert fresh.mode == COMPRESSED and len(fresh.plan) == 5
     with pytest.raises(ValueError, match="not a link-aware state"):
         other.load_state_dict(dict(link.state_dict(), choice="fast"))
     for kw in (dict(margin=1.0), dict(margin=-0.1), dict(probe_steps=0), dict(overhead=0), dict(calibration_steps=1),
@@ -215,7 +271,9 @@ def test_defaults_turn_it_on_only_where_it_applies():
 
 
 # ------------------------------------------------------------------------------------------- two ranks
-def _setup(front, optimizer, costs, compression=None, nonfinite="raise"):
+def _setup(front, optimizer, costs, compression=None, nonfinite="raise", on_allreduce=False):
+    """A model and its sharing over two ranks, the link timed by a FakeClock; ``on_allreduce``: starting on the
+    all-reduce, as a run resumed after choosing it does (a fresh one measures compression first)."""
     model = _net()
     inner = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
              "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),   # factored (row, column) moments
@@ -234,6 +292,8 @@ def _setup(front, optimizer, costs, compression=None, nonfinite="raise"):
         state = opt = SharedOptimizer(inner, **kw)
         sharing = opt.sharing
     clock.link = sharing.link
+    if on_allreduce:
+        sharing.link.load_state_dict(dict(sharing.link.state_dict(), choice=ALLREDUCE, plan=[], next_probe=10 ** 6))
     return model, net, inner, opt, state, sharing
 
 
@@ -285,9 +345,9 @@ def test_ranks_agree_and_switching_keeps_replicas_and_states_equal(front, optimi
     a, b = run_local(_agree_and_switch, 2, args=(front, optimizer), timeout=180)
     assert a["modes"] == b["modes"]
     assert a["choice"] == b["choice"] == ALLREDUCE                 # rank 0 alone would have compressed
-    # Agreed at the second timed compressed step: 30 s against 10 s, a clear loser.
-    assert a["modes"][:14] == [ALLREDUCE] * 3 + [COMPRESSED] * 3 + [ALLREDUCE] * 8
-    assert a["formats"]["allreduce"] == 11
+    # Compression first, then the all-reduce, agreed at its second timed step: 30 s against 10 s.
+    assert a["modes"][:14] == [COMPRESSED] * 5 + [ALLREDUCE] * 9
+    assert a["formats"]["allreduce"] == 9
     assert a["choice_after"] == COMPRESSED and a["choice_last"] == ALLREDUCE
     assert COMPRESSED in a["modes"][14:22] and a["modes"][-1] == ALLREDUCE
     assert np.array_equal(a["params"], b["params"])
@@ -298,14 +358,45 @@ def test_ranks_agree_and_switching_keeps_replicas_and_states_equal(front, optimi
     assert a["residual_max"] == 0.0
 
 
+def _probe(front):
+    warnings.simplefilter("ignore")
+    from gradshare.costmodel import ring_allreduce_bytes
+    from gradshare.sharing import PROBE_ELEMENTS
+    model, net, inner, opt, state, sh = _setup(front, "sgd", {ALLREDUCE: 10.0, COMPRESSED: 4.0})
+    _train(net, opt, 1)
+    pending = sh._sync_bytes
+    bound = sh._allreduce_bound()
+    k = max(1, min(PROBE_ELEMENTS, sum(b.n for b in sh.buckets) // 4))
+    probe_bytes = sh._sync_bytes - pending
+    expected = 3 * ring_allreduce_bytes(2, 1) + 2 * ring_allreduce_bytes(2, k)
+    _train(net, opt, 1, start=1)
+    counted = sh._sync_bytes == 0                        # the next step's records took them
+    # A bound that rules the all-reduce out: no step of it, on either rank.
+    sh._allreduce_bound = lambda: 1e9
+    modes = []
+    _train(net, opt, 20, start=2, modes=modes, sharing=sh)
+    verify_replicas(model)
+    return dict(bound=bound, probe_bytes=probe_bytes, expected=expected, counted=counted, modes=modes,
+                estimated=sh.link.estimated, allreduce_steps=sh.stats.format_counts[ALLREDUCE])
+
+
+@pytest.mark.parametrize("front", ["hook", "optimizer"])
+def test_the_ranks_probe_the_link_together_and_count_its_bytes(front):
+    a, b = run_local(_probe, 2, args=(front,), timeout=120)
+    assert a["bound"] == b["bound"] and 0 <= a["bound"] < 10      # the slowest rank's, on loopback
+    assert a["probe_bytes"] == a["expected"] and a["counted"]
+    assert a["modes"] == b["modes"] == [COMPRESSED] * 20
+    assert a["estimated"] and a["allreduce_steps"] == 0
+
+
 def _allreduce_is_ddp(front):
     warnings.simplefilter("ignore")
     costs = {ALLREDUCE: 1.0, COMPRESSED: 100.0}
-    model, net, inner, opt, state, sh = _setup(front, "adamw", costs)
+    model, net, inner, opt, state, sh = _setup(front, "adamw", costs, on_allreduce=True)
     ref = _net()
     ref_net = DDP(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    _train(net, opt, 3)                     # the calibration's all-reduce steps
+    _train(net, opt, 3)
     _train(ref_net, ref_opt, 3)
     return _flat(model), _flat(ref)
 
@@ -320,7 +411,7 @@ def _nonfinite_in_allreduce_step(front, nonfinite):
     warnings.simplefilter("ignore")
     r = dist.get_rank()
     model, net, inner, opt, state, sh = _setup(front, "adamw", {ALLREDUCE: 1.0, COMPRESSED: 100.0},
-                                               nonfinite=nonfinite)
+                                               nonfinite=nonfinite, on_allreduce=True)
     _train(net, opt, 2)
     before, states = _flat(model), [t.numpy() for t in _states(inner)]
     x, y = _batch(r, 2)
@@ -354,7 +445,8 @@ def _scaled_allreduce(front):
     warnings.simplefilter("ignore")
     out = []
     for scaled, bad_at in ((False, None), (True, None), (True, 3)):
-        model, net, inner, opt, state, sh = _setup(front, "sgd", {ALLREDUCE: 1.0, COMPRESSED: 100.0})
+        model, net, inner, opt, state, sh = _setup(front, "sgd", {ALLREDUCE: 1.0, COMPRESSED: 100.0},
+                                                   on_allreduce=True)
         out.append(scaled_steps(model, net, opt, bad_at=bad_at, enabled=scaled))
         assert sh.stats.format_counts[ALLREDUCE] >= 3 and sh.link.choice in (None, ALLREDUCE)
     return out

@@ -253,6 +253,16 @@ class Link:
     def time(self, nbytes: float, rounds: int) -> float:
         return transfer_time(nbytes, self.bandwidth, self.efficiency) + rounds * self.latency
 
+    @classmethod
+    def measured(cls, nbytes: float, seconds: float, latency: float) -> "Link":
+        """The link a timed collective shows: ``nbytes`` (ring model, per worker) in ``seconds``, of which
+        ``latency`` is what a collective of a few bytes took. Payload efficiency 1: the time is the payload's.
+        Extrapolating with it (``time(n, rounds=0)``) bounds a larger collective's time from below."""
+        if not (nbytes > 0 and seconds >= 0 and latency >= 0):
+            raise ValueError(f"Link.measured: expected nbytes > 0 and times >= 0, got {nbytes}, {seconds}, {latency}")
+        wire = max(seconds - latency, 1e-9)
+        return cls(bandwidth=nbytes * 8.0 / wire, latency=latency, efficiency=1.0)
+
 
 @dataclass
 class SchemeCost:

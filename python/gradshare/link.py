@@ -10,7 +10,8 @@ for each step of a sharing core in "updates" mode, between
   error feedback (gradshare.sharing).
 
 It decides from what it measures, the time from one step's end to the next (compute, exchange and
-whatever the user's loop does), not from a model of the link: it times a few steps of each, agrees the
+whatever the user's loop does), not from a model of the link (a probe of the link only rules out what cannot
+win, below): it times a few steps of each, agrees the
 medians with every rank (one all-reduce of two numbers, taking the slowest rank's), and keeps the
 faster, preferring the all-reduce unless compression makes the step faster by more than ``margin`` (25%:
 compressing with error feedback can take more steps to reach the same accuracy early in training, by up to
@@ -18,6 +19,16 @@ a quarter in gradshare's end-to-end benchmarks, so a step only a little faster d
 user's loop (an evaluation, a checkpoint, a log flush) lands in one step now and then, and is not the
 exchange's time: no choice is judged on a single step, and the median taken is the lower one (of two
 steps, the faster), so one such step among the samples moves nothing.
+
+It starts compressed and measures the all-reduce second, and only where it could win: on a slow link one
+all-reduce step costs many compressed ones (1.3 s against 0.08 s for a 3.7M-parameter model at 100 Mbit/s),
+and a few of them spent measuring it would cost a short run more than a quarter of its time. So before any
+all-reduce step the ranks time a few small all-reduces (at most 1 MiB, a quarter of the model; about 0.2 s
+at 100 Mbit/s) and extrapolate what moving every bucket would take, a lower bound on the all-reduce step
+(gradshare.costmodel.Link.measured: the probe's per-byte time, its latency taken off). Where that bound
+alone is ``clear_loss`` times the compressed step, the all-reduce cannot win and is not run; elsewhere
+(every fast link) it is measured as below. The bound is taken again each time the all-reduce is due to be
+measured again, and the measurement runs only when the bound no longer rules it out.
 
 A link that changes is followed. On the all-reduce its cost shows in the step itself: every
 ``check_every`` steps the ranks agree their recent all-reduce step time, and compression is measured
@@ -49,9 +60,10 @@ ALLREDUCE, COMPRESSED = "allreduce", "compressed"
 class LinkAware:
     """Chooses per step between a float32 all-reduce of gradients and compressed updates (module docstring).
 
-    The run starts with ``calibration_steps`` steps by all-reduce (the first untimed), then measures
-    compression for up to ``probe_steps`` steps (after one untimed step: a switch's own cost is not the
-    link's) and decides. A measurement of either choice goes on past those steps, up to 16 timed steps,
+    The run starts by measuring compression for up to ``probe_steps`` steps (after one untimed step: a first
+    step's own cost is not the link's), then, unless the link probe rules it out (module docstring),
+    ``calibration_steps`` steps by all-reduce (the first untimed: a switch's own cost is not the link's either),
+    and decides. A measurement of either choice goes on past those steps, up to 16 timed steps,
     until its timed steps add up to ``min_seconds``: steps of a few milliseconds vary from one to the next by
     more than the margin, and a few of them would decide by chance. A measurement stops early once the measured choice is ``clear_loss`` times slower
     than the other, judged on two timed steps at least (one could hold a pause of the user's loop): on a slow
@@ -60,7 +72,7 @@ class LinkAware:
     Args:
         margin: compression is chosen only when its step is faster by more than this fraction.
         probe_steps: steps timed per measurement of a choice, at most.
-        calibration_steps: all-reduce steps at the start (>= 2).
+        calibration_steps: all-reduce steps of its first measurement (>= 2).
         clear_loss: a measurement ends as soon as its choice is this many times slower.
         overhead: the largest fraction of the run spent re-measuring the slower choice (2%: a fast link is
             where the all-reduce wins, and there gradshare's step should cost what DDP's does).
@@ -106,6 +118,7 @@ class LinkAware:
         self.steady_from = 0
         self.seconds: Dict[str, Optional[float]] = {ALLREDUCE: None, COMPRESSED: None}   # agreed medians
         self.decisions = 0
+        self.estimated = False              # seconds[ALLREDUCE] is the link probe's bound, not a measurement
         self._samples: Dict[str, Deque[float]] = {ALLREDUCE: deque(maxlen=16), COMPRESSED: deque(maxlen=16)}
         # This rank's last first step of each choice after the other (untimed: a switch's own cost; 0: none yet)
         self._first: Dict[str, float] = {ALLREDUCE: 0.0, COMPRESSED: 0.0}
@@ -115,7 +128,7 @@ class LinkAware:
         self._last_mode: Optional[str] = None
 
     def _calibrate(self) -> None:
-        self.plan = deque([ALLREDUCE] * self.calibration_steps + [COMPRESSED] * (self.probe_steps + 1))
+        self.plan = deque([COMPRESSED] * (self.probe_steps + 1))
         self.probing = COMPRESSED
 
     # ------------------------------------------------------------------------------------ the step
@@ -124,9 +137,12 @@ class LinkAware:
         """What this step does: ALLREDUCE or COMPRESSED."""
         return self.plan[0] if self.plan else self.choice  # type: ignore[return-value]
 
-    def step_ended(self, agree: Callable[[List[float]], List[float]]) -> None:
+    def step_ended(self, agree: Callable[[List[float]], List[float]],
+                   bound: Optional[Callable[[], float]] = None) -> None:
         """Called on every rank at the end of every step (skipped ones too), with no collective in flight.
-        ``agree(values)`` returns the element-wise maximum over the ranks (one all-reduce)."""
+        ``agree(values)`` returns the element-wise maximum over the ranks (one all-reduce); ``bound()`` the
+        link probe's lower bound on an all-reduce step, in seconds, the same on every rank (a few collectives;
+        None: the all-reduce is always measured)."""
         now = self.clock()
         mode = self.mode
         timed = self._last_end is not None and mode == self._last_mode   # the first step after a switch is not
@@ -150,7 +166,11 @@ class LinkAware:
                 if agreed[mode] * len(self._samples[mode]) < self.min_seconds:
                     self.plan.appendleft(mode)      # too little measured yet: one more step of it
             if not self.plan:
-                self._decide(agreed or self._agree(agree))
+                agreed = agreed or self._agree(agree)
+                if mode == COMPRESSED and not self._samples[ALLREDUCE]:    # the start, or a resumed run's
+                    self._measure(ALLREDUCE, self.calibration_steps, agreed, bound)
+                else:
+                    self._decide(agreed)
             elif timed and mode == self.probing and len(self._samples[mode]) >= 2:
                 agreed = agreed or self._agree(agree)
                 other = ALLREDUCE if mode == COMPRESSED else COMPRESSED
@@ -159,9 +179,22 @@ class LinkAware:
                     self._decide(agreed)
         elif self._probe_due(agree):
             other = COMPRESSED if self.choice == ALLREDUCE else ALLREDUCE
-            self._samples[other].clear()            # its earlier times are stale: the link may have changed
-            self.plan.extend([other] * (self.probe_steps + 1))
-            self.probing = other
+            self._measure(other, self.probe_steps + 1,
+                          self._agree(agree) if bound is not None and other == ALLREDUCE else None, bound)
+
+    def _measure(self, mode: str, steps: int, agreed: Optional[Dict[str, Any]],
+                 bound: Optional[Callable[[], float]]) -> None:
+        """Plans ``steps`` steps of ``mode`` (the first untimed), unless ``mode`` is the all-reduce and the link
+        probe's bound alone makes it ``clear_loss`` times slower than the compressed step (``agreed``): then
+        compression is chosen again, the bound standing for the all-reduce's time, without a step of it."""
+        if mode == ALLREDUCE and bound is not None and agreed is not None and math.isfinite(agreed[COMPRESSED]):
+            estimate = float(bound())
+            if estimate > self.clear_loss * agreed[COMPRESSED]:
+                self._decide(dict(agreed, **{ALLREDUCE: estimate}), estimated=True)
+                return
+        self._samples[mode].clear()                 # its earlier times are stale: the link may have changed
+        self.plan.extend([mode] * steps)
+        self.probing = mode
 
     def _room(self, mode: str) -> bool:
         """Whether a measurement of ``mode`` may take another step to reach ``min_seconds`` (the timed steps'
@@ -188,9 +221,10 @@ class LinkAware:
                                                       self._first[ALLREDUCE], self._first[COMPRESSED]])
         return {ALLREDUCE: t_all, COMPRESSED: t_comp, "first": {ALLREDUCE: first_all, COMPRESSED: first_comp}}
 
-    def _decide(self, agreed: Dict[str, float]) -> None:
+    def _decide(self, agreed: Dict[str, Any], estimated: bool = False) -> None:
         t_all, t_comp = agreed[ALLREDUCE], agreed[COMPRESSED]
         self.seconds = {ALLREDUCE: t_all, COMPRESSED: t_comp}
+        self.estimated = estimated
         choice = COMPRESSED if t_comp * (1 + self.margin) < t_all else ALLREDUCE
         self.decisions += 1
         self.choice, self.probing = choice, None
@@ -232,6 +266,7 @@ class LinkAware:
     def summary(self) -> Dict[str, Any]:
         """The current choice and the agreed step times it was made from (seconds)."""
         return {"choice": self.choice, "mode": self.mode, "allreduce_step_s": self.seconds[ALLREDUCE],
+                "allreduce_estimated": self.estimated,
                 "compressed_step_s": self.seconds[COMPRESSED], "decisions": self.decisions,
                 "next_probe": self.next_probe}
 
@@ -244,7 +279,7 @@ class LinkAware:
 
     def state_dict(self) -> Dict[str, Any]:
         return {"steps": self.steps, "choice": self.choice, "plan": list(self.plan), "next_probe": self.next_probe,
-                "seconds": dict(self.seconds), "decisions": self.decisions}
+                "seconds": dict(self.seconds), "decisions": self.decisions, "estimated": self.estimated}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         plan = list(state["plan"])
@@ -262,6 +297,7 @@ class LinkAware:
                                                                          self.steps + self.min_interval)
         self.seconds = {ALLREDUCE: state["seconds"].get(ALLREDUCE), COMPRESSED: state["seconds"].get(COMPRESSED)}
         self.decisions = int(state["decisions"])
+        self.estimated = bool(state.get("estimated", False))
         for samples in self._samples.values():
             samples.clear()
         self._first = {ALLREDUCE: 0.0, COMPRESSED: 0.0}

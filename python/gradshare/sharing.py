@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -62,11 +63,12 @@ import torch.distributed as dist
 from gradshare import comm, optimizer_state, second_moment
 from gradshare.comm import ExchangeResult, NonFiniteStepError, exchange_async
 from gradshare.compression import Compression, as_compression, for_optimizer
-from gradshare.costmodel import ring_allreduce_bytes
+from gradshare.costmodel import Link, ring_allreduce_bytes
 from gradshare.link import ALLREDUCE, LinkAware
 from gradshare.stats import Statistics, StepRecord, residual_norm
 
 NONFINITE = ("raise", "skip")
+PROBE_ELEMENTS = 1 << 18    # the link probe's largest all-reduce: 1 MiB of float32 (gradshare.link)
 REDUCE = ("mean", "sum")
 
 
@@ -390,6 +392,7 @@ class Sharing:
         bucket was skipped, restores every bucket. Returns False when skipped."""
         skipped = any(r.skipped for _, r in results)
         want_norm = self.stats.wants_norm(self.step)
+        extra, self._sync_bytes = self._sync_bytes, 0        # a link probe's, since the last record
         for b, r in results:
             if skipped:
                 self.restore(b)
@@ -398,9 +401,10 @@ class Sharing:
                 b.compression.observe(r.count, r.n, r.message_format)
             self.stats.add(StepRecord(step=self.step, bucket=b.index, n=r.n, tau=r.tau, count=r.count,
                                       density=r.density, format="skipped" if skipped else r.format,
-                                      bytes_sent=r.bytes_sent, dense_bytes=r.dense_bytes,
+                                      bytes_sent=r.bytes_sent + extra, dense_bytes=r.dense_bytes,
                                       residual_norm=residual_norm(b.residual) if (want_norm and not skipped)
                                       else None))
+            extra = 0
         self.step_skipped = skipped
         if not skipped:
             self.step += 1
@@ -713,7 +717,32 @@ class Sharing:
 
     def link_step_ended(self) -> None:
         if self.link is not None and self.world_size > 1:
-            self.link.step_ended(self._max_over_ranks)
+            self.link.step_ended(self._max_over_ranks, self._allreduce_bound)
+
+    def _allreduce_bound(self) -> float:
+        """The least an all-reduce step's exchange takes on this link, measured now (gradshare.link): the ranks
+        time all-reduces of one element and of up to 1 MiB (a quarter of the model at most), and the larger's
+        time per byte, the latency taken off, is extrapolated to every bucket's float32 all-reduce
+        (gradshare.costmodel.Link.measured). The slowest rank's figure, the same on every rank; the probe's
+        bytes count in the next step's statistics."""
+        world, n = self.world_size, sum(b.n for b in self.buckets)
+        dev = self.buckets[0].device if self.buckets else torch.device("cpu")
+        k = max(1, min(PROBE_ELEMENTS, n // 4))
+        one, probe = torch.zeros(1, device=dev), torch.zeros(k, device=dev)
+
+        def seconds(t: torch.Tensor) -> float:
+            start = time.perf_counter()
+            dist.all_reduce(t, group=self.process_group)
+            if t.is_cuda:
+                torch.cuda.synchronize(t.device)
+            return time.perf_counter() - start
+
+        seconds(one)                    # waits for the last rank to arrive: the timed ones start together
+        latency = min(seconds(one), seconds(one))
+        took = min(seconds(probe), seconds(probe))
+        self._sync_bytes += 3 * ring_allreduce_bytes(world, 1) + 2 * ring_allreduce_bytes(world, k)
+        link = Link.measured(ring_allreduce_bytes(world, k), took, latency)
+        return self._max_over_ranks([link.time(ring_allreduce_bytes(world, n), rounds=0)])[0]
 
     def _max_over_ranks(self, values: List[float]) -> List[float]:
         dev = self.buckets[0].device if self.buckets else torch.device("cpu")
