@@ -306,6 +306,11 @@ class Sharing:
             return 1
         return dist.get_world_size(self.process_group)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the buckets live (the CPU before there is one): the device of the small collectives."""
+        return self.buckets[0].device if self.buckets else torch.device("cpu")
+
     def new_bucket(self, index: int, params: Sequence[torch.Tensor]) -> Bucket:
         b = Bucket(index, params, self.compression.clone())
         if self.momentum is not None:
@@ -684,8 +689,8 @@ class Sharing:
                     p.detach().add_(v.to(p.dtype))
 
     def _grads_flag(self) -> torch.Tensor:
-        dev = self.buckets[0].device if self.buckets else torch.device("cpu")
-        return comm.any_nonfinite([p.grad for b in self.buckets for p in b.params if p.grad is not None]).to(dev)
+        grads = [p.grad for b in self.buckets for p in b.params if p.grad is not None]
+        return comm.any_nonfinite(grads).to(self.device)
 
     def grads_nonfinite(self) -> bool:
         """Whether this rank's gradients hold a NaN or Inf (local: no collective)."""
@@ -726,7 +731,7 @@ class Sharing:
         (gradshare.costmodel.Link.measured). The slowest rank's figure, the same on every rank; the probe's
         bytes count in the next step's statistics."""
         world, n = self.world_size, sum(b.n for b in self.buckets)
-        dev = self.buckets[0].device if self.buckets else torch.device("cpu")
+        dev = self.device
         k = max(1, min(PROBE_ELEMENTS, n // 4))
         one, probe = torch.zeros(1, device=dev), torch.zeros(k, device=dev)
 
@@ -745,8 +750,7 @@ class Sharing:
         return self._max_over_ranks([link.time(ring_allreduce_bytes(world, n), rounds=0)])[0]
 
     def _max_over_ranks(self, values: List[float]) -> List[float]:
-        dev = self.buckets[0].device if self.buckets else torch.device("cpu")
-        t = torch.tensor(values, dtype=torch.float64, device=dev)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
         return t.tolist()
 
