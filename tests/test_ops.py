@@ -205,6 +205,22 @@ def test_global_batch_step_matches_reference(n, form, sign, world):
         assert not torch.equal(target[8:], original[8:])
 
 
+@pytest.mark.parametrize("form", GBS_FORMS)
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_global_batch_step_leaves_a_step_whose_second_moment_overflows(form, sign):
+    """exp_avg_sq / bias2 past float32's range: the rank's step divided by inf and so did the global batch's, so
+    nothing is added, in every form (never inf / inf's NaN into the parameters); the kernel and its reference."""
+    m, v, kw = global_batch_step_case(form, 300, seed=5)
+    v[::3] = 1e37                                       # / bias2 (0.00299) overflows
+    for op in (ops.global_batch_step, reference.global_batch_step):
+        target = torch.randn(300, generator=torch.Generator().manual_seed(1))
+        original = target.clone()
+        op(m, v, target, sign=sign, **kw)
+        assert torch.isfinite(target).all()
+        assert torch.equal(target[::3], original[::3])
+        assert not torch.equal(target, original)     # the other elements still get their excess
+
+
 @pytest.mark.parametrize("alias", ["change", "after"])
 def test_global_batch_step_in_place(alias):
     """The sharing core rescales its change buffer in place, local steps the parameters (also ``after``)."""

@@ -160,10 +160,14 @@ GS_HD float adam_excess(float exp_avg, float exp_avg_sq, const RescaleArgs& a) {
 }
 
 // NAdam / RAdam: the step's divided change (change, less the decoupled decay lr * wd * the parameter before
-// the step, after + change) times (sqrt(v) + eps) / (sqrt(v_global) + eps) - 1.
+// the step, after + change) times (sqrt(v) + eps) / (sqrt(v_global) + eps) - 1. Where v / bias2 overflows to
+// inf the rank's step divided by inf, and so did the global batch's: the ratio is 0 there, as the Adam form's
+// excess is, not inf / inf's NaN (which would reach the parameters).
 GS_HD float change_excess(float exp_avg, float exp_avg_sq, float change, float after, const RescaleArgs& a) {
   const float m = exp_avg / a.bias1, v = exp_avg_sq / a.bias2;
-  const float ratio = (sqrt_rn(v) + a.eps) / (sqrt_rn(global_second_moment(m, v, a.world)) + a.eps) - 1.0f;
+  const float narrow = sqrt_rn(v) + a.eps;
+  const bool overflowed = narrow > 0.0f && !is_finite(narrow);   // +inf (a NaN v stays NaN below)
+  const float ratio = overflowed ? 0.0f : narrow / (sqrt_rn(global_second_moment(m, v, a.world)) + a.eps) - 1.0f;
   const float divided = a.decay != 0.0f ? change - (after + change) * a.decay : change;
   return divided * ratio;
 }

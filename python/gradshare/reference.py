@@ -486,7 +486,8 @@ def global_batch_step(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, target: t
         divided = change.float()
         if decay != 0.0:
             divided = divided - torch.add(after.float(), divided).mul_(decay)
-        excess = divided * narrow.div_(wide).sub_(1.0)
+        infinite = torch.isinf(narrow)                  # v overflowed: no excess (element.h: change_excess)
+        excess = divided * narrow.div_(wide).sub_(1.0).masked_fill_(infinite, 0.0)
     if sign > 0:
         target.add_(excess.view_as(target))
     else:
