@@ -205,6 +205,10 @@ def rank_main(cfg: Dict) -> Dict:
         with torch.autocast("cpu", dtype=half, enabled=bool(precision)):
             loss = data.loss(net(x), y)
         scaler.scale(loss).backward()
+        if wl.clip:                        # as the user's script does: unscaled, then clipped, then stepped
+            for o in [opt] + others:
+                scaler.unscale_(o)
+            torch.nn.utils.clip_grad_norm_(net.parameters(), wl.clip)
         for o in [stepper] + others:
             scaler.step(o)
         scaler.update()

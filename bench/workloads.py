@@ -10,6 +10,8 @@ judged by.
 - ``char_lm``: a 4-layer causal transformer (d=96, 4 heads, context 64, 0.5M parameters) on the bytes of
   Python's own standard library sources (the text ships with every Python), AdamW lr 3e-3, weight decay
   0.01, batch 16 windows per rank; judged by validation loss on held-out modules.
+- ``char_lm_clip``: the same with the gradients' norm clipped to 1 before each step
+  (``torch.nn.utils.clip_grad_norm_``), as most transformer training scripts do.
 - ``char_lm_1200``: the same for 1200 steps (local steps at H=20 get 60 rounds instead of 15).
 - ``mnist_cnn_adam``: the MNIST CNN trained with Adam (lr 1e-3), as many users train small conv nets.
 - ``char_lm_rmsprop``: the transformer LM trained with RMSprop (lr 5e-4).
@@ -116,6 +118,7 @@ class Workload:
     batch: int                    # per rank
     steps: int
     metric: str                   # "accuracy" (higher is better) or "loss" (lower is better)
+    clip: float = 0.0             # > 0: the script clips the gradients' norm to this before each step
 
 
 def _sgd(lr=0.05, momentum=0.9, weight_decay=0.0):
@@ -155,6 +158,9 @@ WORKLOADS: Dict[str, Workload] = {
                                 "loss"),
     # the LM with Muon for the blocks' weight matrices and AdamW for the rest: two optimizers
     "char_lm_muon": Workload("char_lm_muon", CharLM, lambda ps: _muon_adamw(ps), 16, 300, "loss"),
+    # the LM as most transformer scripts train it: the gradients' norm clipped to 1 before each step
+    "char_lm_clip": Workload("char_lm_clip", CharLM, lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.01),
+                             16, 300, "loss", clip=1.0),
     # the same, four times longer: local steps get 60 rounds at H=20 instead of 15
     "char_lm_1200": Workload("char_lm_1200", CharLM, lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.01),
                              16, 1200, "loss"),

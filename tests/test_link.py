@@ -5,6 +5,7 @@ two ranks: the ranks agree on one choice whatever each measured, all-reduce step
 bit, switching keeps replicas and optimizer states identical, and non-finite gradients are handled as in
 the compressed steps.
 """
+import sys
 import warnings
 
 import numpy as np
@@ -22,12 +23,15 @@ from tiny_model import batch as _batch, flat as _flat, net as _net, restore, sca
 
 
 class FakeClock:
-    """Advances by the cost of the step that just ended (seconds per mode)."""
+    """Advances by the cost of the step that just ended (seconds per mode); read by the fronts' mark of where a
+    step's exchange could start (LinkAware.exchange_ready), it gives ``ready`` seconds (per mode) into the step."""
 
-    def __init__(self, costs):
-        self.costs, self.t, self.link = dict(costs), 0.0, None
+    def __init__(self, costs, ready=None):
+        self.costs, self.ready, self.t, self.link = dict(costs), dict(ready or {}), 0.0, None
 
     def __call__(self):
+        if sys._getframe(1).f_code.co_name == "exchange_ready":
+            return self.t + self.ready.get(self.link.mode, 0.0)
         self.t += self.costs[self.link.mode]
         return self.t
 
@@ -180,9 +184,10 @@ def test_compression_measured_during_its_warm_up_is_measured_again_after_it():
     assert link.choice == ALLREDUCE and link.next_probe == 30     # not 8 + 50
 
 
-def _bounded(costs, bounds, steps, **kw):
-    """_alone with a link probe: ``bounds`` the bound each call returns in turn (the last one repeated)."""
-    clock = FakeClock(costs)
+def _bounded(costs, bounds, steps, ready=None, **kw):
+    """_alone with a link probe: ``bounds`` the bound each call returns in turn (the last one repeated); each
+    step marks where its exchange could start, ``ready`` seconds (per mode) into it."""
+    clock = FakeClock(costs, ready)
     link = LinkAware(clock=clock, **kw)
     clock.link = link
     calls, modes = [], []
@@ -193,8 +198,19 @@ def _bounded(costs, bounds, steps, **kw):
 
     for _ in range(steps):
         modes.append(link.mode)
+        link.exchange_ready()
         link.step_ended(lambda values: values, bound)
     return link, modes, calls
+
+
+def _look_again(link, bound, steps=8):
+    """The next look is due now: ``steps`` steps with the probe giving ``bound``; their modes."""
+    link.next_probe = link.steps
+    modes = []
+    for _ in range(steps):
+        modes.append(link.mode)
+        link.step_ended(lambda values: values, lambda: bound)
+    return modes
 
 
 def test_the_link_probe_rules_out_an_all_reduce_that_cannot_win():
@@ -209,15 +225,29 @@ def test_the_link_probe_rules_out_an_all_reduce_that_cannot_win():
     link.step_ended(lambda values: values, lambda: 1.2)
     assert link.mode == COMPRESSED and link.decisions == 2 and link.next_probe > link.steps
     link.clock.costs[ALLREDUCE] = 0.05
-    link.next_probe = link.steps
-    modes = []
-    for _ in range(8):
-        modes.append(link.mode)
-        link.step_ended(lambda values: values, lambda: 0.01)
+    modes = _look_again(link, 0.01)
     assert ALLREDUCE in modes and link.choice == ALLREDUCE and not link.estimated
-    # A bound short of clear_loss times the compressed step leaves the all-reduce to be measured.
-    link, modes, _ = _bounded({ALLREDUCE: 0.15, COMPRESSED: 0.08}, [0.15], 10)
+    # At the start a bound past (1 + margin) times the compressed step decides, as measuring it would ...
+    link, modes, calls = _bounded({ALLREDUCE: 0.15, COMPRESSED: 0.08}, [0.15], 10)
+    assert modes == [COMPRESSED] * 10 and calls == [5] and link.estimated and link.choice == COMPRESSED
+    # ... and the next look measures an all-reduce that the bound puts short of clear_loss times it: a probe
+    # that overestimated is corrected there (here the all-reduce is in fact the faster, and is chosen).
+    link.clock.costs[ALLREDUCE] = 0.07
+    modes = _look_again(link, 0.15)
+    assert modes[:4] == [COMPRESSED] + [ALLREDUCE] * 3 and link.choice == ALLREDUCE and not link.estimated
+    # A bound within the margin leaves the all-reduce to be measured at the start ...
+    link, modes, _ = _bounded({ALLREDUCE: 0.15, COMPRESSED: 0.08}, [0.09], 10)
     assert modes[:8] == [COMPRESSED] * 5 + [ALLREDUCE] * 3 and not link.estimated
+    # ... unless what a step does before its exchange can start (here 0.03 s of the compressed step: forward,
+    # the backward up to the first bucket) takes it past: that comes before an all-reduce's link time too.
+    link, modes, _ = _bounded({ALLREDUCE: 0.15, COMPRESSED: 0.08}, [0.09], 10, ready={COMPRESSED: 0.03})
+    assert modes == [COMPRESSED] * 10 and link.estimated
+    assert link.seconds[ALLREDUCE] == pytest.approx(0.12)
+    # A step's first mark counts (several optimizers' cores may mark it).
+    link.exchange_ready()
+    link.clock.ready[COMPRESSED] = 0.05
+    link.exchange_ready()
+    assert link._ready_in_step == pytest.approx(0.03)
     # A checkpoint keeps the estimate.
     link, _, _ = _bounded({ALLREDUCE: 1.3, COMPRESSED: 0.08}, [1.2], 10)
     other = LinkAware()

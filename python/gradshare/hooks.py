@@ -471,6 +471,7 @@ def _updates_hook(state: ThresholdState, bucket, buf: torch.Tensor) -> torch.fut
         for sh in state.sharings:                  # the first step's first collective: ranks agree their configuration
             sh.agree_all()
         state._backward_allreduce = state.sharing.allreduce_now()
+        state.sharing.exchange_ready()             # DDP's first bucket: where an all-reduce would start
         state._dropped = set()
     if state._backward_allreduce:                  # DDP's own step: the mean gradient, overlapped with backward
         if bucket.index() == 0:                    # DDP reduces its buckets in order: a new backward

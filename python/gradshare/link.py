@@ -25,10 +25,13 @@ all-reduce step costs many compressed ones (1.3 s against 0.08 s for a 3.7M-para
 and a few of them spent measuring it would cost a short run more than a quarter of its time. So before any
 all-reduce step the ranks time a few small all-reduces (at most 1 MiB, a quarter of the model; about 0.2 s
 at 100 Mbit/s) and extrapolate what moving every bucket would take, a lower bound on the all-reduce step
-(gradshare.costmodel.Link.measured: the probe's per-byte time, its latency taken off). Where that bound
-alone is ``clear_loss`` times the compressed step, the all-reduce cannot win and is not run; elsewhere
-(every fast link) it is measured as below. The bound is taken again each time the all-reduce is due to be
-measured again, and the measurement runs only when the bound no longer rules it out.
+(gradshare.costmodel.Link.measured: the probe's per-byte time, its latency taken off), after the part of a
+step that comes before any exchange can start (data, forward and the backward up to DDP's first bucket, or to
+the optimizer's step: measured on the compressed steps). At the start, where that bound is slower than the
+compressed step by more than ``margin`` (what measuring it would decide), the all-reduce is not run; elsewhere (every fast link) it is measured as below. The bound is taken again
+each time the all-reduce is due to be measured again, and then rules it out only at ``clear_loss`` times the
+compressed step: an all-reduce that the bound puts between the two is measured at that first look again, so a
+probe that overestimates (small transfers slower per byte than large ones) costs one interval, not the run.
 
 A link that changes is followed. On the all-reduce its cost shows in the step itself: every
 ``check_every`` steps the ranks agree their recent all-reduce step time, and compression is measured
@@ -73,7 +76,8 @@ class LinkAware:
         margin: compression is chosen only when its step is faster by more than this fraction.
         probe_steps: steps timed per measurement of a choice, at most.
         calibration_steps: all-reduce steps of its first measurement (>= 2).
-        clear_loss: a measurement ends as soon as its choice is this many times slower.
+        clear_loss: a measurement ends as soon as its choice is this many times slower; after the first
+            decision, the link probe's bound rules the all-reduce out only at this many times the compressed step.
         overhead: the largest fraction of the run spent re-measuring the slower choice (2%: a fast link is
             where the all-reduce wins, and there gradshare's step should cost what DDP's does).
         min_seconds: the least time a measurement of a choice covers (up to 16 timed steps).
@@ -126,6 +130,10 @@ class LinkAware:
         self._quiet_until = 0               # no measurement triggered by the all-reduce's time before this step
         self._last_end: Optional[float] = None
         self._last_mode: Optional[str] = None
+        # From a step's start (the last one's end) to the point where its exchange could first start (DDP's
+        # first bucket ready, or the optimizer's step): what an all-reduce step spends before its link does.
+        self._ready: Deque[float] = deque(maxlen=16)
+        self._ready_in_step: Optional[float] = None
 
     def _calibrate(self) -> None:
         self.plan = deque([COMPRESSED] * (self.probe_steps + 1))
@@ -137,6 +145,13 @@ class LinkAware:
         """What this step does: ALLREDUCE or COMPRESSED."""
         return self.plan[0] if self.plan else self.choice  # type: ignore[return-value]
 
+    def exchange_ready(self) -> None:
+        """Called when this step's exchange could first start (the first call of a step counts): the work
+        before it (data, forward, the backward up to the first bucket) comes before any all-reduce, so it adds
+        to the link probe's bound on an all-reduce step."""
+        if self._ready_in_step is None and self._last_end is not None:
+            self._ready_in_step = self.clock() - self._last_end
+
     def step_ended(self, agree: Callable[[List[float]], List[float]],
                    bound: Optional[Callable[[], float]] = None) -> None:
         """Called on every rank at the end of every step (skipped ones too), with no collective in flight.
@@ -147,8 +162,11 @@ class LinkAware:
         mode = self.mode
         timed = self._last_end is not None and mode == self._last_mode   # the first step after a switch is not
         returned = False
+        ready, self._ready_in_step = self._ready_in_step, None
         if timed:
             self._samples[mode].append(now - self._last_end)
+            if ready is not None:
+                self._ready.append(ready)
         elif self._last_end is not None:
             self._first[mode] = now - self._last_end
             returned = not self.plan and mode == self.choice    # back on the choice after measuring the other
@@ -168,7 +186,9 @@ class LinkAware:
             if not self.plan:
                 agreed = agreed or self._agree(agree)
                 if mode == COMPRESSED and not self._samples[ALLREDUCE]:    # the start, or a resumed run's
-                    self._measure(ALLREDUCE, self.calibration_steps, agreed, bound)
+                    # a bound that alone loses by the margin decides (what measuring would decide); a probe
+                    # that overestimates is corrected at the first look again, which rules out only at clear_loss
+                    self._measure(ALLREDUCE, self.calibration_steps, agreed, bound, rule_out=1 + self.margin)
                 else:
                     self._decide(agreed)
             elif timed and mode == self.probing and len(self._samples[mode]) >= 2:
@@ -183,13 +203,14 @@ class LinkAware:
                           self._agree(agree) if bound is not None and other == ALLREDUCE else None, bound)
 
     def _measure(self, mode: str, steps: int, agreed: Optional[Dict[str, Any]],
-                 bound: Optional[Callable[[], float]]) -> None:
+                 bound: Optional[Callable[[], float]], rule_out: Optional[float] = None) -> None:
         """Plans ``steps`` steps of ``mode`` (the first untimed), unless ``mode`` is the all-reduce and the link
-        probe's bound alone makes it ``clear_loss`` times slower than the compressed step (``agreed``): then
-        compression is chosen again, the bound standing for the all-reduce's time, without a step of it."""
+        probe's bound alone makes it ``rule_out`` (default ``clear_loss``) times slower than the compressed step
+        (``agreed``): then compression is chosen again, the bound standing for the all-reduce's time, without a
+        step of it."""
         if mode == ALLREDUCE and bound is not None and agreed is not None and math.isfinite(agreed[COMPRESSED]):
-            estimate = float(bound())
-            if estimate > self.clear_loss * agreed[COMPRESSED]:
+            estimate = float(bound()) + agreed["ready"]       # the link's share, after what comes before it
+            if estimate > (self.clear_loss if rule_out is None else rule_out) * agreed[COMPRESSED]:
                 self._decide(dict(agreed, **{ALLREDUCE: estimate}), estimated=True)
                 return
         self._samples[mode].clear()                 # its earlier times are stale: the link may have changed
@@ -217,9 +238,11 @@ class LinkAware:
         return self._agree(agree)[ALLREDUCE] > bar
 
     def _agree(self, agree: Callable[[List[float]], List[float]]) -> Dict[str, float]:
-        t_all, t_comp, first_all, first_comp = agree([self._median(ALLREDUCE), self._median(COMPRESSED),
-                                                      self._first[ALLREDUCE], self._first[COMPRESSED]])
-        return {ALLREDUCE: t_all, COMPRESSED: t_comp, "first": {ALLREDUCE: first_all, COMPRESSED: first_comp}}
+        ready = statistics.median_low(self._ready) if self._ready else 0.0
+        t_all, t_comp, first_all, first_comp, ready = agree([self._median(ALLREDUCE), self._median(COMPRESSED),
+                                                             self._first[ALLREDUCE], self._first[COMPRESSED], ready])
+        return {ALLREDUCE: t_all, COMPRESSED: t_comp, "first": {ALLREDUCE: first_all, COMPRESSED: first_comp},
+                "ready": ready}
 
     def _decide(self, agreed: Dict[str, Any], estimated: bool = False) -> None:
         t_all, t_comp = agreed[ALLREDUCE], agreed[COMPRESSED]
@@ -303,6 +326,8 @@ class LinkAware:
         self._first = {ALLREDUCE: 0.0, COMPRESSED: 0.0}
         self._decided_at, self._quiet_until = self.steps, self.steps + self.min_interval
         self._last_end = self._last_mode = None
+        self._ready.clear()
+        self._ready_in_step = None
 
     def __repr__(self) -> str:
         return "LinkAware(" + ", ".join(f"{k}={v!r}" for k, v in self.config().items()) + ")"

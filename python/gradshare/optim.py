@@ -166,6 +166,7 @@ class SharedOptimizer(SharingFront, WrappedOptimizer):
                 loss = closure()
         sh = self.sharing
         sh.step_skipped = False
+        sh.exchange_ready()                       # the gradients are complete: an all-reduce could start now
         if getattr(self, "found_inf", None) is not None and self._grad_scaler_skips():
             sh.skip_step()
             return loss

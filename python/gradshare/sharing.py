@@ -720,6 +720,12 @@ class Sharing:
         sharing the optimizer's update compressed. The same on every rank."""
         return self.link is not None and self.link.mode == ALLREDUCE
 
+    def exchange_ready(self) -> None:
+        """The front's mark of where this step's exchange could first start (gradshare.link: the work before it
+        adds to the link probe's bound on an all-reduce step)."""
+        if self.link is not None:
+            self.link.exchange_ready()
+
     def link_step_ended(self) -> None:
         if self.link is not None and self.world_size > 1:
             self.link.step_ended(self._max_over_ranks, self._allreduce_bound)
