@@ -28,10 +28,11 @@ at 100 Mbit/s) and extrapolate what moving every bucket would take, a lower boun
 (gradshare.costmodel.Link.measured: the probe's per-byte time, its latency taken off), after the part of a
 step that comes before any exchange can start (data, forward and the backward up to DDP's first bucket, or to
 the optimizer's step: measured on the compressed steps). At the start, where that bound is slower than the
-compressed step by more than ``margin`` (what measuring it would decide), the all-reduce is not run; elsewhere (every fast link) it is measured as below. The bound is taken again
-each time the all-reduce is due to be measured again, and then rules it out only at ``clear_loss`` times the
-compressed step: an all-reduce that the bound puts between the two is measured at that first look again, so a
-probe that overestimates (small transfers slower per byte than large ones) costs one interval, not the run.
+compressed step by more than ``margin`` (what measuring it would decide), the all-reduce is not run;
+elsewhere (every fast link) it is measured as below. The bound is taken again each time the all-reduce is due
+to be measured again, and then rules it out only at ``clear_loss`` times the compressed step: an all-reduce
+that the bound puts between the two is measured at that first look again, so a probe that overestimates
+(small transfers slower per byte than large ones) costs one interval, not the run.
 
 A link that changes is followed. On the all-reduce its cost shows in the step itself: every
 ``check_every`` steps the ranks agree their recent all-reduce step time, and compression is measured
