@@ -1,5 +1,6 @@
 """SharedOptimizer and ParameterAveraging are torch optimizers: schedulers, add_param_group, torch-shaped
-state dicts, torch.distributed.checkpoint, and parameters without a gradient left alone."""
+state dicts, torch.distributed.checkpoint, parameters without a gradient left alone, and AdamW's fused and
+foreach implementations shared as its for-loop is."""
 import copy
 from collections import deque
 
@@ -267,3 +268,41 @@ def _dcp_round_trip():
 def test_distributed_checkpoint_round_trip_resumes_exactly():
     for r in run_local(_dcp_round_trip, 2, timeout=120):
         assert r["same"] and r["keys"] == ["param_groups", "state"]
+
+
+def _adamw_implementations(front):
+    """AdamW's three implementations as users' scripts pick them (the for-loop, foreach=True, fused=True), each
+    shared from the same start with its gradients' norm clipped before each step (a transformer script's loop)."""
+    from gradshare import ThresholdState, threshold_hook
+
+    out = {}
+    for impl in ({"foreach": False}, {"foreach": True}, {"fused": True}):
+        model = net()
+        if front == "hook":
+            fwd = torch.nn.parallel.DistributedDataParallel(model)
+            opt = stepper = torch.optim.AdamW(model.parameters(), lr=3e-3, **impl)
+            fwd.register_comm_hook(ThresholdState(optimizer=opt, link=None), threshold_hook)
+        else:
+            fwd, stepper = model, SharedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3, **impl), link=None)
+        losses = []
+        for step in range(60):
+            x, y = batch(dist.get_rank(), step)
+            stepper.zero_grad()
+            loss = F.cross_entropy(fwd(x), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            stepper.step()
+            losses.append(loss.item())
+        out[str(impl)] = (torch.from_numpy(flat(model)), losses[0], sum(losses[-5:]) / 5)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("front", ["hook", "optimizer"])
+def test_fused_and_foreach_adamw_share_as_the_for_loop_does(front):
+    a, b = run_local(_adamw_implementations, 2, args=(front,), timeout=120)
+    loop = a["{'foreach': False}"][2]
+    for impl, (params, first, last) in a.items():
+        assert torch.equal(params, b[impl][0]), impl            # replicas identical
+        assert last < 0.7 * first, impl                         # it learns ...
+        assert abs(last - loop) < 0.02 * loop, (impl, last, loop)   # ... as the for-loop AdamW does
