@@ -34,6 +34,28 @@ def test_run_local_returns_results_by_rank():
     assert run_local(_sum_ranks, 2, timeout=60) == [(0, 2, 3.0), (1, 2, 3.0)]
 
 
+def _tensor_and_exit():
+    return torch.full((1000,), float(dist.get_rank()))
+
+
+def _unpicklable():
+    return lambda: None
+
+
+def test_results_arrive_as_copies_that_outlive_their_worker():
+    # A tensor passed as a shared-memory file descriptor needs its worker alive until the parent takes it; a
+    # worker that had already exited made the parent fail with FileNotFoundError. Results now arrive as copies.
+    out = run_local(_tensor_and_exit, 2, timeout=60)
+    for rank, t in enumerate(out):
+        assert not t.is_shared()
+        assert torch.equal(t, torch.full((1000,), float(rank)))
+
+
+def test_an_unpicklable_result_is_the_worker_s_error():
+    with pytest.raises(WorkerError, match="pickle|lambda"):
+        run_local(_unpicklable, 2, timeout=60)
+
+
 def test_worker_exception_is_raised_with_traceback():
     with pytest.raises(WorkerError, match="boom from rank 1") as info:
         run_local(_fail_on_rank_1, 2, timeout=60, collective_timeout=30)

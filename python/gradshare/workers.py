@@ -6,6 +6,7 @@ wait is bounded: a worker that raises or dies ends the whole run with its traceb
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import signal
 import subprocess
@@ -62,7 +63,10 @@ def _entry(rank: int, world_size: int, port: int, backend: str, threads: int, co
         # any other process on the machine for it between the choice and the bind)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
         process_group.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
-        out = fn(*args)
+        # Pickled here, to bytes: the queue's own pickler would pass a tensor's storage as a file descriptor that
+        # this process serves until the parent takes it, and this process may exit first (the parent then fails
+        # with FileNotFoundError). Pickling here also reports an unpicklable result as this worker's error.
+        out = pickle.dumps(fn(*args), protocol=pickle.HIGHEST_PROTOCOL)
         results.put((rank, True, out))
     except BaseException:  # report everything, KeyboardInterrupt included
         results.put((rank, False, traceback.format_exc()))
@@ -124,7 +128,7 @@ def run_local(fn: Callable, world_size: int, args: Sequence = (), *, backend: st
                         raise WorkerError(r, f"process exited with code {p.exitcode} without reporting "
                                              f"(worker {rank} then failed:\n{value})")
                 raise WorkerError(rank, value)
-            out[rank] = value
+            out[rank] = pickle.loads(value)
             done.add(rank)
     finally:
         for p in procs:
