@@ -288,6 +288,54 @@ def test_grad_scaler_changes_nothing_and_an_inf_skips_everywhere():
     assert not np.array_equal(res[0]["optimizer_inf"][0], res[0]["optimizer"][1])   # steps after the skip ran
 
 
+def _collectives_per_step(front, scaler):
+    """Collectives per compressed step in steps 2-5 (one bucket, TopK: a fixed-size message), under ``scaler``
+    (None: a plain script)."""
+    model, net, opt = _default_front(front)
+    calls = []
+    originals = {name: getattr(dist, name) for name in ("all_gather_into_tensor", "all_gather_single",
+                                                        "all_reduce", "broadcast") if hasattr(dist, name)}
+    for name, fn in originals.items():
+        def counted(*a, _f=fn, **k):
+            calls.append(1)
+            return _f(*a, **k)
+        setattr(dist, name, counted)
+    try:
+        for step in range(6):
+            if step == 2:
+                calls.clear()
+            x, y = _batch(dist.get_rank(), step)
+            opt.zero_grad()
+            loss = F.cross_entropy(net(x), y)
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return len(calls) / 4
+
+
+def _collectives_of_each_front():
+    from tiny_model import grad_scaler
+    warnings.simplefilter("ignore")
+    return {(front, scaled): _collectives_per_step(front, grad_scaler(enabled=scaled) if scaled is not None else None)
+            for front in ("hook", "optimizer") for scaled in (None, False, True)}
+
+
+def test_a_compressed_step_without_a_grad_scaler_is_one_collective():
+    # The hook gathers the ranks' non-finite flags in backward only where a GradScaler could skip a rank's step
+    # alone: a plain script (or a disabled scaler) pays one round trip per step, as SharedOptimizer does.
+    for r in run_local(_collectives_of_each_front, 2, timeout=120):
+        for front in ("hook", "optimizer"):
+            assert r[(front, None)] == 1 and r[(front, False)] == 1, (front, r)
+            assert r[(front, True)] == 2, (front, r)       # the flags, then the payload
+
+
 def _one_rank():
     """World size 1: the hook returns DDP's own result and SharedOptimizer steps the inner optimizer."""
     warnings.simplefilter("ignore")

@@ -6,8 +6,9 @@
     ddp.register_comm_hook(ThresholdState(optimizer=opt), threshold_hook)
 
 With ``optimizer=`` (recommended) the hook shares what the optimizer does (gradshare.sharing, "updates"):
-during backward it hands each bucket's local gradient to DDP unchanged (and agrees with the other ranks
-on whether any gradient was non-finite); ``opt.step()`` then runs the user's optimizer locally, and
+during backward it hands each bucket's local gradient to DDP unchanged (under a GradScaler, or with
+``nonfinite="skip"``, it also agrees with the other ranks on whether any gradient was non-finite, one flag
+per rank); ``opt.step()`` then runs the user's optimizer locally, and
 gradshare, from the optimizer's step hooks, shares the change it made with error feedback and gives every
 rank the same decoded mean. The optimizer, its scheduler, gradient clipping and a GradScaler are used as
 in plain DDP; the compression is chosen for the optimizer (gradshare.compression.for_optimizer). With one
@@ -31,9 +32,12 @@ in one bucket), and closely otherwise. In updates mode buckets are the optimizer
 exactly. The state pickles without its process group and optimizer (like torch's PowerSGDState).
 
 Non-finite gradients: ``nonfinite="raise"`` (default) fails on every rank with NonFiniteStepError naming
-the step and rank(s): in backward (gradients mode) or in ``opt.step()`` (updates mode: a GradScaler, which
-skips ``step()`` on such a step, then works as with DDP, every rank skipping together since every rank
-sees the non-finite value). ``nonfinite="skip"`` drops the step on every rank: residuals, thresholds and
+the step and rank(s): in backward (gradients mode) or in ``opt.step()`` (updates mode: a rank whose gradients
+are not finite does not step and shares them, and the exchange stops every rank). A GradScaler skips
+``step()`` on a rank whose scaled gradients overflowed, so every rank must see that overflow before its
+step: until a step shows that no GradScaler calls it (the first one, without a scaler), the last bucket of
+each backward gathers one non-finite flag per rank and, if any is set, makes that bucket non-finite on every
+rank, so every scaler skips together as with DDP; a script without a scaler then saves that round trip. ``nonfinite="skip"`` drops the step on every rank: residuals, thresholds and
 (updates mode) parameters and optimizer state are left as they were, ``state.step_skipped`` is set; in
 gradients mode guard the optimizer with ``if state.should_step(): opt.step()``.
 
@@ -43,6 +47,7 @@ loss scale changes nothing that is sent. Sharing gradients under a GradScaler, p
 every rank's scaler skip the step and back off.
 """
 
+import sys
 import threading
 import warnings
 from typing import Any, Dict, List, Optional
@@ -196,6 +201,11 @@ class ThresholdState(SharingFront):
         self._mean_bad = None                      # ... and whether the mean gradient holds a NaN or Inf
         self._backward_allreduce = False           # the path the last backward took (the first core's choice)
         self._dropped: set = set()                 # cores that dropped this backward's step (nonfinite="skip")
+        # updates mode: whether a GradScaler calls opt.step() (None: no step seen yet). Until known not to, every
+        # backward gathers the ranks' non-finite flags (module docstring); _flagged: this backward did.
+        self._scaled: Optional[bool] = None
+        self._flagged = False
+        self._share_grads: set = set()             # cores whose rank shares its non-finite gradients this step
 
     # -- what the rest of gradshare reads ------------------------------------------------------------
     @property
@@ -220,11 +230,19 @@ class ThresholdState(SharingFront):
         return not self.sharing.step_skipped
 
     # -- updates mode: the optimizer's step hooks ------------------------------------------------------
+    def flags_gathered(self) -> bool:
+        """Updates mode: whether this backward's last bucket gathers every rank's non-finite flag: needed where
+        a rank could skip ``opt.step()`` alone (a GradScaler) or where a dropped step must move no optimizer
+        state (nonfinite="skip"); otherwise each rank checks its own gradients in ``opt.step()``."""
+        return self._scaled is not False or self.sharing.nonfinite == "skip"
+
     def _before_step(self, optimizer, args, kwargs) -> None:
         sh = self._core_of.get(id(optimizer), self.sharing)
         sh.step_skipped = False
         if sh.world_size == 1:
             return
+        if self._scaled is None:          # the same on every rank: each calls this step, from a scaler or not
+            self._scaled = _called_by_grad_scaler()
         # The first core's link-aware choice; the others follow the path their gradients took in backward.
         allreduce = self._allreduce_step[id(sh)] = (sh.allreduce_now() if sh is self.sharing
                                                     else self._backward_allreduce)
@@ -245,14 +263,27 @@ class ThresholdState(SharingFront):
             return
         if allreduce:
             sh.before_allreduce_step(optimizer)
-        else:
-            sh.begin_updates()
+            return
+        sh.begin_updates()
+        if not self._flagged and sh.nonfinite == "raise" and sh.grads_nonfinite():
+            # no flags gathered in backward: this rank does not step and shares its gradients, and the exchange
+            # stops every rank (SharedOptimizer's rule; "skip" always gathers them)
+            self._saved_grads[id(sh)] = [(p, p.grad) for b in sh.buckets for p in b.params]
+            self._share_grads.add(id(sh))
+            for p, _ in self._saved_grads[id(sh)]:
+                p.grad = None
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         sh = self._core_of.get(id(optimizer), self.sharing)
         if sh.world_size == 1:
             return
         saved = self._saved_grads.pop(id(sh), None)
+        if id(sh) in self._share_grads:
+            self._share_grads.discard(id(sh))
+            for p, g in saved:
+                p.grad = g
+            sh.share_updates(share_grads=True)     # raises NonFiniteStepError on every rank
+            return
         if saved is not None:
             for p, g in saved:
                 p.grad = g
@@ -463,9 +494,10 @@ def _rescaled(result, scale: Optional[float]) -> torch.Tensor:
 
 
 def _updates_hook(state: ThresholdState, bucket, buf: torch.Tensor) -> torch.futures.Future:
-    """Updates mode: the local gradient goes back to DDP unchanged; the last bucket agrees with every rank on
-    which ranks saw a non-finite gradient in this backward (an all-gather of one flag per rank) and, if any
-    did, makes this rank's last bucket non-finite too, so that every rank sees it (a GradScaler then skips
+    """Updates mode: the local gradient goes back to DDP unchanged. Where flags are gathered
+    (:meth:`ThresholdState.flags_gathered`: a GradScaler, or nonfinite="skip") the last bucket agrees with every
+    rank on which ranks saw a non-finite gradient in this backward (an all-gather of one flag per rank) and, if
+    any did, makes this rank's last bucket non-finite too, so that every rank sees it (a GradScaler then skips
     the step everywhere, as with DDP)."""
     if bucket.index() == 0:
         for sh in state.sharings:                  # the first step's first collective: ranks agree their configuration
@@ -493,8 +525,12 @@ def _updates_hook(state: ThresholdState, bucket, buf: torch.Tensor) -> torch.fut
             return out
 
         return work.get_future().then(reduced)
-    bad = comm.any_nonfinite([buf])
     uncovered = _allreduce_uncovered(state, bucket.parameters(), buf)
+    if not state.flags_gathered():                 # each rank checks its own gradients in opt.step()
+        state._flagged = False
+        return _done(buf) if uncovered is None else uncovered
+    state._flagged = True
+    bad = comm.any_nonfinite([buf])
     with state._lock:
         state._bad = bad if state._bad is None else torch.maximum(state._bad, bad)
         if not bucket.is_last():
@@ -513,6 +549,18 @@ def _updates_hook(state: ThresholdState, bucket, buf: torch.Tensor) -> torch.fut
         return buf
 
     return torch.futures.collect_all([work.get_future()] + ([uncovered] if uncovered is not None else [])).then(agreed)
+
+
+def _called_by_grad_scaler() -> bool:
+    """Whether a torch.amp.GradScaler (or a subclass: torch.cuda.amp's, FSDP's ShardedGradScaler) is on the call
+    stack, i.e. calls this optimizer step (directly, or through Lightning, Accelerate, a Trainer)."""
+    f = sys._getframe(1)
+    while f is not None:
+        scaler = f.f_locals.get("self")
+        if isinstance(scaler, torch.amp.GradScaler):
+            return scaler.is_enabled()            # a disabled scaler calls step() on every rank, every step
+        f = f.f_back
+    return False
 
 
 def _allreduce_uncovered(state: ThresholdState, params, buf: torch.Tensor) -> Optional[torch.futures.Future]:
