@@ -16,7 +16,7 @@ import gradshare.integrations.lightning  # noqa: E402  (needs lightning)
 from gradshare import ThresholdState, TopK, verify_replicas  # noqa: E402
 from gradshare.integrations.lightning import CHECKPOINT_KEY, GradshareStrategy  # noqa: E402
 from gradshare.workers import run_local  # noqa: E402
-from tiny_model import (check_one_line_run, cnn, count_hook_calls, first_moment, flat, image_batch,  # noqa: E402
+from tiny_model import (both_paths_link, check_one_line_run, cnn, count_hook_calls, first_moment, flat, image_batch,  # noqa: E402
                         net, one_line_result, residual_of)
 
 BATCHES = 6                  # per epoch and rank
@@ -112,7 +112,7 @@ def _fit(state_kwargs, bad_step):
 
 @pytest.mark.slow
 def test_the_one_line_trains_in_updates_mode_with_identical_replicas():
-    res = run_local(_fit, 2, ({}, None), timeout=120)
+    res = run_local(_fit, 2, ({"link": both_paths_link()}, None), timeout=120)
     check_one_line_run(res, 3 * BATCHES, initial=cnn)
 
 

@@ -248,6 +248,13 @@ def test_the_link_probe_rules_out_an_all_reduce_that_cannot_win():
     link.clock.ready[COMPRESSED] = 0.05
     link.exchange_ready()
     assert link._ready_in_step == pytest.approx(0.03)
+    # probe=False: the all-reduce is measured (here for two steps after its first: a clear loser), never ruled
+    # out by the bound, which is not even asked for.
+    link, modes, calls = _bounded({ALLREDUCE: 1.3, COMPRESSED: 0.08}, [1.2], 10, probe=False)
+    assert modes == [COMPRESSED] * 5 + [ALLREDUCE] * 3 + [COMPRESSED] * 2 and calls == []
+    assert link.choice == COMPRESSED and not link.estimated and link.config()["probe"] is False
+    with pytest.raises(ValueError, match="probe"):
+        LinkAware(probe=1)
     # A checkpoint keeps the estimate.
     link, _, _ = _bounded({ALLREDUCE: 1.3, COMPRESSED: 0.08}, [1.2], 10)
     other = LinkAware()

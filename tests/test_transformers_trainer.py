@@ -17,7 +17,7 @@ pytest.importorskip("accelerate")
 import gradshare.integrations.transformers as gt  # noqa: E402  (needs transformers)
 from gradshare import verify_replicas  # noqa: E402
 from gradshare.workers import run_local  # noqa: E402
-from tiny_model import (check_one_line_run, cnn, count_hook_calls, first_moment, flat, images,  # noqa: E402
+from tiny_model import (both_paths_link, check_one_line_run, cnn, count_hook_calls, first_moment, flat, images,  # noqa: E402
                         one_line_result, residual_of)
 
 BATCH = 16
@@ -99,7 +99,7 @@ def test_resuming_with_another_number_of_processes_is_refused(tmp_path):
 def _train(root):
     warnings.simplefilter("ignore")
     calls = count_hook_calls(gt)          # the callback registers gt.threshold_hook
-    trainer, cb = _trainer(root, 3 * STEPS_PER_EPOCH)
+    trainer, cb = _trainer(root, 3 * STEPS_PER_EPOCH, link=both_paths_link())
     trainer.train()
     verify_replicas(trainer.model.net)
     return one_line_result(cb.state, calls, trainer.model.net)

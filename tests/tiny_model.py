@@ -126,11 +126,21 @@ def one_line_result(state, calls, model):
             "hook_calls": len(calls), "params": flat(model)}
 
 
+def both_paths_link():
+    """The link-aware policy of the defaults with a schedule that does not depend on this machine's speed: 1 + 4
+    compressed steps (min_seconds=0: no more however short the steps), then all-reduce steps (probe=False: the
+    link probe rules nothing out), then whichever is faster. The defaults differ only in when they switch (their
+    measurements go on until they cover 0.1 s, and the probe may rule the all-reduce out on a slow link), so an
+    integration run with this one takes both paths, and the switches between them, on every machine."""
+    from gradshare import LinkAware
+    return LinkAware(min_seconds=0, probe=False)
+
+
 def check_one_line_run(results, steps, initial=net):
-    """What a framework integration's default run must show on every rank (a list of one_line_result dicts):
-    updates mode, the hook called at every backward and every step shared, both link-aware paths taken
-    (all-reduce steps first, then timed compressed ones; gradshare.link), identical replicas, and parameters
-    that moved from ``initial()``'s."""
+    """What a framework integration's run with :func:`both_paths_link` must show on every rank (a list of
+    one_line_result dicts): updates mode, the hook called at every backward and every step shared, both
+    link-aware paths taken (timed compressed steps first, then all-reduce ones; gradshare.link), identical
+    replicas, and parameters that moved from ``initial()``'s."""
     import numpy as np
 
     for r in results:

@@ -84,6 +84,9 @@ class LinkAware:
         min_seconds: the least time a measurement of a choice covers (up to 16 timed steps).
         min_interval, max_interval: bounds on the steps between two measurements of the slower choice.
         check_every: on the all-reduce, the steps between two agreements of its recent step time.
+        probe: whether the link probe's bound may rule the all-reduce out without a step of it (False: the
+            all-reduce is measured at the start and at every look, whatever the probe would say; the steps
+            taken then follow from the settings alone, e.g. with ``min_seconds=0``).
         clock: seconds, monotonic (time.perf_counter).
 
     ``steady_from`` (set by the sharing core from the compression's warm-up, e.g. TopK's 100 steps at a
@@ -94,7 +97,7 @@ class LinkAware:
     def __init__(self, margin: float = 0.25, probe_steps: int = 4, overhead: float = 0.02,
                  min_interval: int = 50, max_interval: int = 5000, calibration_steps: int = 3,
                  clear_loss: float = 2.0, check_every: int = 10, min_seconds: float = 0.1,
-                 clock: Callable[[], float] = time.perf_counter):
+                 probe: bool = True, clock: Callable[[], float] = time.perf_counter):
         if not (0 <= float(margin) < 1):
             raise ValueError(f"margin: expected a value in [0, 1), got {margin}")
         for name, v, low in (("probe_steps", probe_steps, 1), ("calibration_steps", calibration_steps, 2),
@@ -113,6 +116,9 @@ class LinkAware:
         self.calibration_steps, self.clear_loss, self.check_every = calibration_steps, float(clear_loss), check_every
         self.min_interval, self.max_interval = int(min_interval), int(max_interval)
         self.min_seconds = float(min_seconds)
+        if not isinstance(probe, bool):
+            raise ValueError(f"probe: expected True or False, got {probe!r}")
+        self.probe = probe
         self.clock = clock
         self.steps = 0                      # steps ended (every rank counts the same ones)
         self.choice: Optional[str] = None   # what was decided (None: not yet)
@@ -158,7 +164,9 @@ class LinkAware:
         """Called on every rank at the end of every step (skipped ones too), with no collective in flight.
         ``agree(values)`` returns the element-wise maximum over the ranks (one all-reduce); ``bound()`` the
         link probe's lower bound on an all-reduce step, in seconds, the same on every rank (a few collectives;
-        None: the all-reduce is always measured)."""
+        None, or ``probe=False``: the all-reduce is always measured)."""
+        if not self.probe:
+            bound = None
         now = self.clock()
         mode = self.mode
         timed = self._last_end is not None and mode == self._last_mode   # the first step after a switch is not
@@ -299,7 +307,7 @@ class LinkAware:
         return {"margin": self.margin, "probe_steps": self.probe_steps, "overhead": self.overhead,
                 "min_interval": self.min_interval, "max_interval": self.max_interval,
                 "calibration_steps": self.calibration_steps, "clear_loss": self.clear_loss,
-                "check_every": self.check_every, "min_seconds": self.min_seconds}
+                "check_every": self.check_every, "min_seconds": self.min_seconds, "probe": self.probe}
 
     def state_dict(self) -> Dict[str, Any]:
         return {"steps": self.steps, "choice": self.choice, "plan": list(self.plan), "next_probe": self.next_probe,
