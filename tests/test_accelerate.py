@@ -14,8 +14,8 @@ import gradshare.integrations.accelerate as ga  # noqa: E402  (needs accelerate)
 from gradshare import verify_replicas  # noqa: E402
 from gradshare.checkpoint import load, write_atomic  # noqa: E402
 from gradshare.workers import run_local  # noqa: E402
-from tiny_model import (both_paths_link, check_one_line_run, cnn, count_hook_calls, first_moment, image_batch,  # noqa: E402
-                        net, one_line_result, residual_of)
+from tiny_model import (both_paths_link, check_one_line_run, cnn, count_hook_calls,  # noqa: E402
+                        first_moment, image_batch, net, one_line_result, residual_of)
 
 STEPS = 18
 
@@ -75,7 +75,8 @@ def _train(root, steps, save_at=None, resume=False, calls=None, two=False, **sta
 
 
 def _train_counted(root, steps):
-    return _train(root, steps, calls=count_hook_calls(ga), link=both_paths_link())  # share() registers ga.threshold_hook
+    # share() registers ga.threshold_hook
+    return _train(root, steps, calls=count_hook_calls(ga), link=both_paths_link())
 
 
 @pytest.mark.slow

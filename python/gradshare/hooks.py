@@ -37,9 +37,10 @@ are not finite does not step and shares them, and the exchange stops every rank)
 ``step()`` on a rank whose scaled gradients overflowed, so every rank must see that overflow before its
 step: until a step shows that no GradScaler calls it (the first one, without a scaler), the last bucket of
 each backward gathers one non-finite flag per rank and, if any is set, makes that bucket non-finite on every
-rank, so every scaler skips together as with DDP; a script without a scaler then saves that round trip. ``nonfinite="skip"`` drops the step on every rank: residuals, thresholds and
-(updates mode) parameters and optimizer state are left as they were, ``state.step_skipped`` is set; in
-gradients mode guard the optimizer with ``if state.should_step(): opt.step()``.
+rank, so every scaler skips together as with DDP; a script without a scaler then saves that round trip.
+``nonfinite="skip"`` drops the step on every rank: residuals, thresholds and (updates mode) parameters and
+optimizer state are left as they were, ``state.step_skipped`` is set; in gradients mode guard the optimizer
+with ``if state.should_step(): opt.step()``.
 
 Mixed precision: with ``optimizer=`` the updates are shared after a GradScaler unscaled the gradients, so the
 loss scale changes nothing that is sent. Sharing gradients under a GradScaler, pass it
