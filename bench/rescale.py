@@ -60,7 +60,7 @@ def measure(name: str, numel: int, repeat: int):
             raise RuntimeError(f"{name}: nothing rescaled")
         # the same rescaling in torch ops, from the same state, checked against the kernel's bits
         if adam:
-            args = second_moment._adam_family_args(p, opt.state[p], group, 2, rescale.kind, copy.view(-1))
+            args = second_moment._adam_family_args(p, opt.state[p], group, 2, rescale.kind, copy.view(-1), aux)
             t4 = time.perf_counter()
             reference.global_batch_step(target=copy.view(-1), **args)
         else:

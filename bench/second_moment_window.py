@@ -2,17 +2,16 @@
 
 One process simulates W ranks exactly (no collectives): every step each rank copies the shared model, takes its
 own optimizer's step on its share of the batch, and the mean of the ranks' changes is applied to the shared
-model, as sharing updates uncompressed does (gradshare.sharing). Three ways to take a rank's step:
+model, as sharing updates uncompressed does (gradshare.sharing). Three ways to take a step:
 
     ddp        one optimizer on the mean gradient of the global batch (what DDP does)
-    shared     each rank's step rescaled by gradshare.second_moment.step_excess: v_global = m^2 + (v - m^2) / W
-               with m the optimizer's first moment (Adam's beta1: a window of about 10 steps)
-    window     the same with the squared mean taken over v's own window: s = EMA_beta2(m^2), v_global =
-               s + (v - s) / W (a candidate: not what gradshare does yet)
+    this_step  each rank's step rescaled with v_global = m^2 + (v - m^2) / W, m^2 this step's squared first
+               moment (gradshare.second_moment.step_excess without its state; what gradshare did before)
+    gradshare  each rank's step rescaled by gradshare.second_moment.GlobalBatchStep, which takes the squared
+               mean over v's own window (an average of m^2 with beta2): what the sharing core does
 
 The model, data and schedule are bench/optimizers.py's (a 22k-parameter MLP learning a fixed random teacher, 300
-steps of a global batch of 128 under a cosine schedule), so the ``ddp`` and ``shared`` rows repeat that
-benchmark's DDP and uncompressed gradshare figures exactly.
+steps of a global batch of 128 under a cosine schedule), so the ``ddp`` rows repeat that benchmark's DDP figures.
 
     python bench/second_moment_window.py                            # radam, adam, nadam; seeds 0 and 1
     python bench/second_moment_window.py --optimizers radam --seeds 0,1,2
@@ -20,14 +19,14 @@ benchmark's DDP and uncompressed gradshare figures exactly.
 
 Why the window matters: with m over ~10 steps and v over up to 1/(1 - beta2) steps, v - m^2 holds the drift of
 the gradient's mean over v's window as well as its noise. Where the mean has grown (RAdam's early steps hold the
-model back), the estimate puts v_global above DDP's and the shared steps fall short of DDP's.
+model back), this step's m^2 puts v_global above DDP's and the shared steps fall short of DDP's.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from typing import Dict, List, Tuple
+from typing import List, Tuple
 
 import torch
 
@@ -38,27 +37,7 @@ from gradshare import second_moment  # noqa: E402
 
 F = torch.nn.functional
 STEPS, GLOBAL_BATCH = bench_optimizers.STEPS, bench_optimizers.GLOBAL_BATCH
-MODES = ("ddp", "shared", "window")
-EXACT = ("adam", "nadam", "radam", "radam_beta2_0.99")   # bench/optimizers.py entries without weight decay
-
-
-def _window_step(opt: torch.optim.Optimizer, p: torch.Tensor, change: torch.Tensor, signal: torch.Tensor,
-                 world: int) -> torch.Tensor:
-    """A rank's change rescaled with the squared mean over v's window (``signal``, updated here)."""
-    st, group = opt.state[p], opt.param_groups[0]
-    t = float(st["step"])
-    b1, b2 = group["betas"]
-    bias1, bias2 = 1 - b1 ** t, 1 - b2 ** t
-    m, v = st["exp_avg"] / bias1, st["exp_avg_sq"] / bias2
-    signal.mul_(b2).addcmul_(m, m, value=1 - b2)
-    s = (signal / bias2).clamp(max=v)
-    eps = float(group["eps"])
-    if isinstance(opt, torch.optim.RAdam):
-        rho_inf = 2 / (1 - b2) - 1
-        if rho_inf - 2 * t * b2 ** t / bias2 <= 5:         # not rectified yet: its step divides by nothing
-            return change
-        eps = eps / bias2 ** 0.5
-    return change * (v.sqrt() + eps) / ((s + (v - s) / world).sqrt() + eps)
+MODES = ("ddp", "this_step", "gradshare")
 
 
 def run(name: str, mode: str, seed: int = 0, world: int = 2, lr_scale: float = 1.0) -> Tuple[float, float]:
@@ -80,7 +59,7 @@ def run(name: str, mode: str, seed: int = 0, world: int = 2, lr_scale: float = 1
         ranks = [bench_optimizers._model() for _ in range(world)]
         opts = [make(r.parameters()) for r in ranks]
         scheds = [torch.optim.lr_scheduler.CosineAnnealingLR(o, STEPS) for o in opts]
-        signals: Dict[Tuple[int, int], torch.Tensor] = {}
+        rescales = [second_moment.GlobalBatchStep(o) for o in opts]
     for _ in range(STEPS):
         idx = torch.randint(0, xtr.shape[0], (GLOBAL_BATCH,), generator=g)
         if mode == "ddp":
@@ -101,14 +80,13 @@ def run(name: str, mode: str, seed: int = 0, world: int = 2, lr_scale: float = 1
             opt_r.step()
             for i, (p, b) in enumerate(zip(net.parameters(), before)):
                 change = b - p.detach()
-                if mode == "shared":
+                if mode == "this_step":
                     excess = second_moment.step_excess(p, opt_r.state[p], opt_r.param_groups[0], world,
                                                        second_moment.kind(opt_r), change=change)
                     if excess is not None:
                         change = change + excess
                 else:
-                    signal = signals.setdefault((r, i), torch.zeros_like(p))
-                    change = _window_step(opt_r, p, change, signal, world)
+                    rescales[r].apply(p, opt_r.param_groups[0], world, change, change=change)
                 mean[i] += change / world
             scheds[r].step()
         with torch.no_grad():
@@ -130,18 +108,19 @@ def main(argv=None) -> int:
     modes = a.modes.split(",")
     if set(modes) - set(MODES):
         p.error(f"--modes: {sorted(set(modes) - set(MODES))} are not among {MODES}")
-    bad = [n for n in names if n not in EXACT]
+    family = [n for n, make in bench_optimizers.optimizers().items() if n != "muon_adamw" and
+              second_moment.kind(make([torch.zeros(1, requires_grad=True)])) in second_moment.ADAM_FAMILY]
+    bad = [n for n in names if n not in family]
     if bad:
-        p.error(f"--optimizers: {bad}; known here: {', '.join(EXACT)} (no weight decay or amsgrad: the window "
-                "row rescales a rank's whole change)")
-    rows: List[str] = ["| optimizer | seed | DDP loss / acc | shared (m's window) loss / acc | Δ loss | "
-                       "shared (v's window) loss / acc | Δ loss |", "|---|---:|---|---|---:|---|---:|"]
+        p.error(f"--optimizers: {bad}; known here: {', '.join(family)}")
+    rows: List[str] = ["| optimizer | seed | DDP loss / acc | this step's m^2: loss / acc | Δ loss | "
+                       "gradshare (m^2 over v's window): loss / acc | Δ loss |", "|---|---:|---|---|---:|---|---:|"]
     for name in names:
         for seed in (int(s) for s in a.seeds.split(",")):
             res = {mode: run(name, mode, seed, lr_scale=a.lr_scale) if mode in modes else None for mode in MODES}
             d = res["ddp"]
             cells = [f"{res[m][0]:.4f} / {100 * res[m][1]:.2f}" if res[m] else "-" for m in MODES]
-            gaps = [f"{100 * (res[m][0] / d[0] - 1):+.1f}%" if res[m] and d else "-" for m in ("shared", "window")]
+            gaps = [f"{100 * (res[m][0] / d[0] - 1):+.1f}%" if res[m] and d else "-" for m in ("this_step", "gradshare")]
             rows.append(f"| {name} | {seed} | {cells[0]} | {cells[1]} | {gaps[0]} | {cells[2]} | {gaps[1]} |")
             print(rows[-1], file=sys.stderr, flush=True)
     print("\n".join(rows))

@@ -134,10 +134,12 @@ void average(uintptr_t dst, const std::vector<uintptr_t>& srcs, const std::vecto
   }
 }
 
-void rescale(uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t change, uintptr_t after, uintptr_t target, int64_t n,
-             float bias1, float bias2, float world, float eps, float lr, float decay, float sign, bool cuda,
-             uintptr_t stream) {
+void rescale(uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t change, uintptr_t after, uintptr_t signal,
+             uintptr_t target, int64_t n, float bias1, float bias2, float world, float eps, float lr, float decay,
+             float sign, float signal_weight, float signal_bias, bool cuda, uintptr_t stream) {
   gs::RescaleArgs a;
+  a.signal_weight = signal_weight;
+  a.signal_bias = signal_bias;
   a.bias1 = bias1;
   a.bias2 = bias2;
   a.world = world;
@@ -149,14 +151,14 @@ void rescale(uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t change, uintptr_
   if (cuda) {
 #ifdef GS_HAVE_CUDA
     gs::rescale_cuda(ptr<const float>(exp_avg), ptr<const float>(exp_avg_sq), ptr<const float>(change),
-                     ptr<const float>(after), ptr<float>(target), n, a, ptr<void>(stream));
+                     ptr<const float>(after), ptr<float>(signal), ptr<float>(target), n, a, ptr<void>(stream));
 #else
     (void)stream;
     no_cuda();
 #endif
   } else {
     gs::rescale_cpu(ptr<const float>(exp_avg), ptr<const float>(exp_avg_sq), ptr<const float>(change),
-                    ptr<const float>(after), ptr<float>(target), n, a);
+                    ptr<const float>(after), ptr<float>(signal), ptr<float>(target), n, a);
   }
 }
 
@@ -241,8 +243,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("average", &average, py::arg("dst"), py::arg("srcs"), py::arg("weights"), py::arg("n"), py::arg("cuda"),
         py::arg("stream"));
   m.def("rescale", &rescale, py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("change"), py::arg("after"),
-        py::arg("target"), py::arg("n"), py::arg("bias1"), py::arg("bias2"), py::arg("world"), py::arg("eps"),
-        py::arg("lr"), py::arg("decay"), py::arg("sign"), py::arg("cuda"), py::arg("stream"));
+        py::arg("signal"), py::arg("target"), py::arg("n"), py::arg("bias1"), py::arg("bias2"), py::arg("world"),
+        py::arg("eps"), py::arg("lr"), py::arg("decay"), py::arg("sign"), py::arg("signal_weight"),
+        py::arg("signal_bias"), py::arg("cuda"), py::arg("stream"));
   m.def("rescale_tracked", &rescale_tracked, py::arg("kind"), py::arg("grad"), py::arg("change"), py::arg("after"),
         py::arg("second"), py::arg("grad_avg"), py::arg("mean"), py::arg("extra"), py::arg("target"), py::arg("n"),
         py::arg("world"), py::arg("inv_world"), py::arg("grad_sign"), py::arg("weight_decay"), py::arg("decay"),

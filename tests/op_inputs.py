@@ -46,10 +46,15 @@ def adam_moments(n: int, seed: int, edge: bool = False, nonfinite: bool = False)
 
 def global_batch_step_case(form: str, n: int, seed: int, world: int = 2, edge: bool = False, nonfinite: bool = False):
     """(exp_avg, exp_avg_sq, keyword arguments) for gradshare.ops.global_batch_step: form "adam" (from the
-    moments), "change" (NAdam / RAdam) or "change_decay" (their decoupled weight decay)."""
+    moments), "change" (NAdam / RAdam) or "change_decay" (their decoupled weight decay); "..._signal": with
+    gradshare's average of m^2 (``signal``, written by the op: clone it per call)."""
+    form, with_signal, _ = form.partition("_signal")
     m, v = adam_moments(n, seed, edge, nonfinite)
     g = torch.Generator().manual_seed(seed + 1)
     kw = dict(bias1=0.271, bias2=0.00299, world=world, eps=1e-8)
+    if with_signal:      # an average of m^2 (bias-corrected by signal_bias) within a factor 2 of this step's m^2
+        kw.update(signal=(m / 0.271) ** 2 * 0.00299 * (0.5 + torch.rand(n, generator=g)), signal_weight=1e-3,
+                  signal_bias=0.00299)
     if form == "adam":
         kw["lr"] = 3e-3
     else:

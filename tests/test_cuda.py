@@ -368,17 +368,19 @@ def test_average_in_place_matches_cpu(alias, weighted):
 # ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n", [0, 1, 255, 257, TILE + 3, BIG])
-@pytest.mark.parametrize("form", ["adam", "change", "change_decay"])
+@pytest.mark.parametrize("form", ["adam", "change", "change_decay", "adam_signal", "change_decay_signal"])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 @pytest.mark.parametrize("world", [2, 7])
 def test_global_batch_step_matches_cpu(n, form, sign, world):
     m, v, kw = global_batch_step_case(form, n, seed=n + world, world=world, edge=True)
     target = torch.randn(n)
     on_gpu = gpu(target)
+    gkw = {k: (gpu(x) if torch.is_tensor(x) else x) for k, x in kw.items()}   # (copies: the op writes signal)
     ops.global_batch_step(m, v, target, sign=sign, **kw)
-    gkw = {k: (gpu(x) if torch.is_tensor(x) else x) for k, x in kw.items()}
     ops.global_batch_step(gpu(m), gpu(v), on_gpu, sign=sign, **gkw)
     assert_bits_equal(on_gpu, target)
+    if "signal" in kw:
+        assert_bits_equal(gkw["signal"], kw["signal"])
 
 
 @pytest.mark.parametrize("alias", ["change", "after"])

@@ -184,7 +184,12 @@ def test_average_into_given_out():
     assert_bits_equal(out, reference.average(bufs))
 
 
-GBS_FORMS = ["adam", "change", "change_decay"]
+GBS_FORMS = ["adam", "change", "change_decay", "adam_signal", "change_decay_signal"]
+
+
+def _cloned(kw):
+    """The case's keywords with its signal (which the op writes) cloned."""
+    return dict(kw, signal=kw["signal"].clone()) if "signal" in kw else dict(kw)
 
 
 @pytest.mark.parametrize("n", [0, 1, 17, 2 * CHUNK + 1, BIG])
@@ -195,11 +200,16 @@ def test_global_batch_step_matches_reference(n, form, sign, world):
     m, v, kw = global_batch_step_case(form, n, seed=n + world, world=world, edge=True, nonfinite=True)
     target = torch.randn(n)
     expected, original = target.clone(), target.clone()
-    reference.global_batch_step(m, v, expected, sign=sign, **kw)
-    ops.global_batch_step(m, v, target, sign=sign, **kw)
+    ref_kw, op_kw = _cloned(kw), _cloned(kw)
+    reference.global_batch_step(m, v, expected, sign=sign, **ref_kw)
+    ops.global_batch_step(m, v, target, sign=sign, **op_kw)
     assert_bits_equal(target, expected)
+    if "signal" in kw:                  # the average of m^2 moved, alike
+        assert_bits_equal(op_kw["signal"], ref_kw["signal"])
+        assert n == 0 or not torch.equal(op_kw["signal"], kw["signal"])
     if world == 1 and n >= 8:        # one rank: its own batch is the global batch, nothing changes but roundings
-        steady = (m / kw["bias1"]) ** 2 <= v / kw["bias2"]     # (else v_global = m^2 > v, whatever W)
+        squared = (m / kw["bias1"]) ** 2 if "signal" not in kw else ref_kw["signal"] / kw["signal_bias"]
+        steady = squared <= v / kw["bias2"]     # (else v_global = the squared mean > v, whatever W)
         torch.testing.assert_close(target[8:][steady[8:]], original[8:][steady[8:]], rtol=1e-6, atol=1e-9)
     elif n >= 8:
         assert not torch.equal(target[8:], original[8:])
@@ -215,7 +225,7 @@ def test_global_batch_step_leaves_a_step_whose_second_moment_overflows(form, sig
     for op in (ops.global_batch_step, reference.global_batch_step):
         target = torch.randn(300, generator=torch.Generator().manual_seed(1))
         original = target.clone()
-        op(m, v, target, sign=sign, **kw)
+        op(m, v, target, sign=sign, **_cloned(kw))
         assert torch.isfinite(target).all()
         assert torch.equal(target[::3], original[::3])
         assert not torch.equal(target, original)     # the other elements still get their excess
@@ -258,6 +268,24 @@ def test_global_batch_step_is_the_step_with_the_global_second_moment():
     ops.global_batch_step(m, v, target, **kw)
     torch.testing.assert_close(target.double(), kw["lr"] * md / (vg.sqrt() + kw["eps"]), rtol=1e-5, atol=1e-12)
     assert (vg < vd).any()                   # noise-dominated entries: the global step is larger
+
+
+def test_global_batch_step_keeps_the_average_squared_mean_whole():
+    """With gradshare's average of m^2 (signal): signal += (m^2 - signal) * weight, and v_global = s + max(v - s,
+    0) / W with s = signal / bias in place of m^2, in float64."""
+    m, v, kw = global_batch_step_case("adam_signal", 4096, seed=4, world=4)
+    md, vd = m.double() / kw["bias1"], v.double() / kw["bias2"]
+    raw = kw["signal"].double() + (md * md - kw["signal"].double()) * kw["signal_weight"]
+    sd = raw / kw["signal_bias"]
+    vg = sd + (vd - sd).clamp_min(0) / 4
+    own = kw["lr"] * md / (vd.sqrt() + kw["eps"])
+    target, signal = own.float(), kw["signal"].clone()
+    ops.global_batch_step(m, v, target, **dict(kw, signal=signal))
+    torch.testing.assert_close(signal.double(), raw, rtol=1e-5, atol=1e-30)
+    torch.testing.assert_close(target.double(), kw["lr"] * md / (vg.sqrt() + kw["eps"]), rtol=1e-5, atol=1e-12)
+    without = own.float()
+    ops.global_batch_step(m, v, without, **{k: x for k, x in kw.items() if not k.startswith("signal")})
+    assert not torch.equal(without, target)  # the squared mean it keeps whole is not this step's m^2
 
 
 def _cloned(kw):
@@ -562,11 +590,12 @@ def test_opcheck_average():
 def test_opcheck_global_batch_step():
     m, v, kw = global_batch_step_case("change_decay", 700, seed=2)
     _opcheck(torch.ops.gradshare.global_batch_step.default,
-             (m, v, torch.randn(700), kw["change"], kw["after"], kw["bias1"], kw["bias2"], 2.0, kw["eps"], 0.0,
-              kw["decay"], -1.0))
-    m, v, kw = global_batch_step_case("adam", 700, seed=2)
+             (m, v, torch.randn(700), kw["change"], kw["after"], None, kw["bias1"], kw["bias2"], 2.0, kw["eps"], 0.0,
+              kw["decay"], -1.0, 0.0, 1.0))
+    m, v, kw = global_batch_step_case("adam_signal", 700, seed=2)
     _opcheck(torch.ops.gradshare.global_batch_step.default,
-             (m, v, torch.randn(700), None, None, kw["bias1"], kw["bias2"], 2.0, kw["eps"], kw["lr"], 0.0, 1.0))
+             (m, v, torch.randn(700), None, None, kw["signal"], kw["bias1"], kw["bias2"], 2.0, kw["eps"], kw["lr"],
+              0.0, 1.0, kw["signal_weight"], kw["signal_bias"]))
 
 
 def test_opcheck_global_batch_step_tracked():

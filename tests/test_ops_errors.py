@@ -359,6 +359,24 @@ def test_global_batch_step_refuses_a_target_over_the_moments():
         ops.global_batch_step(m, v, base[1:], change=base[:N], bias1=0.1, bias2=0.1, world=2, eps=1e-8)
 
 
+def test_global_batch_step_checks_its_signal():
+    m, v, target, args = _gbs()
+    signal = torch.rand(N)
+    before = (target.clone(), signal.clone())
+    for bad, pattern in ((dict(signal_weight=0.0, signal_bias=0.5), r"^signal_weight, signal_bias: .*got 0.0, 0.5"),
+                         (dict(signal_weight=0.1, signal_bias=1.5), r"^signal_weight, signal_bias: .*got 0.1, 1.5"),
+                         (dict(signal_weight=float("nan"), signal_bias=0.5), r"^signal_weight, signal_bias")):
+        with pytest.raises(ValueError, match=pattern):
+            ops.global_batch_step(m, v, target, signal=signal, **bad, **args)
+    with pytest.raises(ValueError, match=r"^signal: overlaps exp_avg"):
+        ops.global_batch_step(m, v, target, signal=m, signal_weight=0.1, signal_bias=0.5, **args)
+    with pytest.raises(ValueError, match=r"^signal: overlaps target"):
+        ops.global_batch_step(m, v, target, signal=target, signal_weight=0.1, signal_bias=0.5, **args)
+    with pytest.raises(TypeError, match=r"signal"):
+        ops.global_batch_step(m, v, target, signal=signal.double(), signal_weight=0.1, signal_bias=0.5, **args)
+    assert torch.equal(target, before[0]) and torch.equal(signal, before[1])
+
+
 def _tracked(base="rmsprop", **kw):
     """(grad, change, mean, target, keyword arguments) of a valid global_batch_step_tracked call for optimizer
     ``base``, changed by ``kw`` (None: the argument left out)."""

@@ -480,3 +480,40 @@ def test_tracked_step_on_float64_parameters_matches_float32(cls, kw, shape, sign
     (t32, m32), (t64, m64) = results
     np.testing.assert_allclose(t64.numpy(), t32.numpy(), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(m64.numpy(), m32.numpy(), rtol=1e-4, atol=1e-7)
+
+
+def test_the_squared_mean_is_averaged_over_the_second_moment_s_window():
+    """v averages over up to 1 / (1 - beta2) steps, m over about 1 / (1 - beta1): where the gradient's mean grew
+    over v's window, this step's m^2 overstates the squared mean that v holds and the estimate of the global
+    batch's v comes out too large (here by a third). GlobalBatchStep averages m^2 with beta2 instead, and its
+    estimate follows the second moment of the mean gradient (what DDP's Adam keeps) within a few percent."""
+    world, n, steps = 2, 4000, 200
+    g = torch.Generator().manual_seed(3)
+    direction = torch.randn(n, generator=g).sign()
+    params = [torch.nn.Parameter(torch.zeros(n)) for _ in range(world)]
+    opts = [torch.optim.Adam([p], lr=1e-3, betas=(0.9, 0.999)) for p in params]
+    rescales = [second_moment.GlobalBatchStep(o) for o in opts]
+    ddp_v = torch.zeros(n, dtype=torch.float64)
+    for t in range(1, steps + 1):
+        mean = (0.1 + 0.9 * t / steps) * direction                    # the signal grows over the run
+        grads = [mean + torch.randn(n, generator=g) for _ in range(world)]
+        ddp_v.mul_(0.999).add_(0.001 * (sum(grads) / world).double() ** 2)
+        for p, o, r, grad in zip(params, opts, rescales, grads):
+            p.grad = grad.clone()
+            o.step()
+            r.apply(p, o.param_groups[0], world, torch.zeros(n))
+    ddp_v /= 1 - 0.999 ** steps
+    p, o, r = params[0], opts[0], rescales[0]
+    group, st = o.param_groups[0], o.state[p]
+    window = second_moment.global_exp_avg_sq(st, group, world, r.squared_mean(p, group)).double() / (1 - 0.999 ** steps)
+    this_step = second_moment.global_exp_avg_sq(st, group, world).double() / (1 - 0.999 ** steps)
+    assert abs(float((window / ddp_v).median()) - 1) < 0.05, float((window / ddp_v).median())
+    assert float((this_step / ddp_v).median()) > 1.25, float((this_step / ddp_v).median())
+    # the state is each rank's own and goes into checkpoints
+    state = r.state_dict()
+    assert set(state[0]) == {"squared_mean", "squared_mean_steps"} and state[0]["squared_mean_steps"] == steps
+    again = second_moment.GlobalBatchStep(o)
+    again.load_state_dict(state)
+    assert torch.equal(again.squared_mean(p, group), r.squared_mean(p, group))
+    with pytest.raises(ValueError, match="its squared_mean in the checkpoint 3"):
+        again.load_state_dict({0: {"squared_mean": torch.zeros(3), "squared_mean_steps": 1}})

@@ -1,6 +1,6 @@
 // A rank's optimizer step made the global batch's (CPU): gradshare/second_moment.py's rule in one pass over
 // memory, where torch ops pass over it ten to twenty times. Adam, AdamW, NAdam and RAdam from their own
-// moments (rescale_cpu); RMSprop, Adagrad, Adadelta, Adamax and Adafactor from the mean gradient gradshare
+// moments and the squared mean gradshare keeps for them (rescale_cpu); RMSprop, Adagrad, Adadelta, Adamax and Adafactor from the mean gradient gradshare
 // keeps for them (rescale_tracked_cpu). The element logic is element.h's (adam_excess, change_excess,
 // tracked_excess), shared with csrc/cuda/rescale.cu.
 #include "cpu/parallel.h"
@@ -14,23 +14,24 @@ namespace {
 // used here is distinct (restrict) and the loop vectorises without overlap checks.
 template <bool Adam, bool ChangeIsTarget, bool Decay, bool AfterIsTarget>
 void rescale_chunk(const float* __restrict__ exp_avg, const float* __restrict__ exp_avg_sq,
-                   const float* __restrict__ change, const float* __restrict__ after, float* __restrict__ target,
-                   int64_t lo, int64_t hi, const RescaleArgs a) {
+                   const float* __restrict__ change, const float* __restrict__ after, float* __restrict__ signal,
+                   float* __restrict__ target, int64_t lo, int64_t hi, const RescaleArgs a) {
   for (int64_t i = lo; i < hi; ++i) {
     const float t = target[i];
+    float* s = signal == nullptr ? nullptr : signal + i;
     float e;
     if (Adam) {
-      e = adam_excess(exp_avg[i], exp_avg_sq[i], a);
+      e = adam_excess(exp_avg[i], exp_avg_sq[i], s, a);
     } else {
       const float c = ChangeIsTarget ? t : change[i];
       const float p = Decay ? (AfterIsTarget ? t : after[i]) : 0.0f;
-      e = change_excess(exp_avg[i], exp_avg_sq[i], c, p, a);
+      e = change_excess(exp_avg[i], exp_avg_sq[i], s, c, p, a);
     }
     target[i] = apply_excess(t, e, a.sign);
   }
 }
 
-using Chunk = void (*)(const float*, const float*, const float*, const float*, float*, int64_t, int64_t,
+using Chunk = void (*)(const float*, const float*, const float*, const float*, float*, float*, int64_t, int64_t,
                        const RescaleArgs);
 
 template <bool ChangeIsTarget, bool Decay>
@@ -94,8 +95,8 @@ TrackedChunk tracked_pick(const TrackedArgs& a, bool centered, bool momentum, bo
 }  // namespace
 
 void rescale_cpu(const float* exp_avg, const float* exp_avg_sq, const float* change, const float* after,
-                 float* target, int64_t n, const RescaleArgs& a) {
-  check_rescale_args(exp_avg, exp_avg_sq, change, after, target, n, a);
+                 float* signal, float* target, int64_t n, const RescaleArgs& a) {
+  check_rescale_args(exp_avg, exp_avg_sq, change, after, signal, target, n, a);
   const bool decay = change != nullptr && a.decay != 0.0f;
   const bool cit = change == target, ait = decay && after == target;
   Chunk run;
@@ -106,7 +107,7 @@ void rescale_cpu(const float* exp_avg, const float* exp_avg_sq, const float* cha
   GS_PARALLEL_FOR(n >= kParallelMin)
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t lo = c * kChunk, hi = lo + kChunk < n ? lo + kChunk : n;
-    run(exp_avg, exp_avg_sq, cit ? nullptr : change, ait ? nullptr : after, target, lo, hi, a);
+    run(exp_avg, exp_avg_sq, cit ? nullptr : change, ait ? nullptr : after, signal, target, lo, hi, a);
   }
 }
 

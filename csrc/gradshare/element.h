@@ -132,6 +132,8 @@ struct RescaleArgs {
   float lr = 0.0f;     // Adam form only: the step's learning rate
   float decay = 0.0f;  // change form only: lr * weight_decay when the decay is decoupled (undivided), else 0
   float sign = 1.0f;   // +1: target += excess (a change, before - after); -1: target -= excess (parameters)
+  float signal_weight = 0.0f;  // with a signal: 1 - beta2, the weight of this step's m^2 in its average
+  float signal_bias = 1.0f;    // with a signal: 1 - beta2^k after its k-th step (the average's bias correction)
 };
 
 GS_HD float sqrt_rn(float x) {
@@ -142,19 +144,32 @@ GS_HD float sqrt_rn(float x) {
 #endif
 }
 
-// v_global = m^2 + max(v - m^2, 0) / W: the second moment a W times larger batch would have. A NaN stays NaN.
-GS_HD float global_second_moment(float m, float v, float world) {
-  const float m2 = m * m;
-  const float d = v - m2;
-  return (d < 0.0f ? 0.0f : d) / world + m2;
+// avg + (x - avg) * w: an exponential average's step (gradshare/reference.py: ema_).
+GS_HD float ema(float avg, float x, float w) { return avg + (x - avg) * w; }
+
+// v_global = s + max(v - s, 0) / W, s the squared mean of the gradient: the second moment a W times larger
+// batch would have. A NaN stays NaN.
+GS_HD float global_second_moment(float s, float v, float world) {
+  const float d = v - s;
+  return (d < 0.0f ? 0.0f : d) / world + s;
+}
+
+// The squared mean s of v_global: m^2 of this step alone (signal == nullptr), or the average of m^2 over v's
+// own window (beta2), kept in *signal and updated here. v averages over up to 1 / (1 - beta2) steps and m
+// over about 1 / (1 - beta1): m^2 alone would count how far the mean moved over v's window as noise.
+GS_HD float squared_mean(float m, float* signal, const RescaleArgs& a) {
+  if (signal == nullptr) return m * m;
+  const float s = ema(*signal, m * m, a.signal_weight);
+  *signal = s;
+  return s / a.signal_bias;
 }
 
 // Adam / AdamW: lr * m * (1 / (sqrt(v_global) + eps) - 1 / (sqrt(v) + eps)), what the rank's step
 // -lr * m / (sqrt(v) + eps) falls short of the global batch's, rounded step by step as the torch ops of
 // gradshare/second_moment.py round it.
-GS_HD float adam_excess(float exp_avg, float exp_avg_sq, const RescaleArgs& a) {
+GS_HD float adam_excess(float exp_avg, float exp_avg_sq, float* signal, const RescaleArgs& a) {
   const float m = exp_avg / a.bias1, v = exp_avg_sq / a.bias2;
-  const float wide = 1.0f / (sqrt_rn(global_second_moment(m, v, a.world)) + a.eps);
+  const float wide = 1.0f / (sqrt_rn(global_second_moment(squared_mean(m, signal, a), v, a.world)) + a.eps);
   const float narrow = 1.0f / (sqrt_rn(v) + a.eps);
   return (wide - narrow) * m * a.lr;
 }
@@ -163,11 +178,13 @@ GS_HD float adam_excess(float exp_avg, float exp_avg_sq, const RescaleArgs& a) {
 // the step, after + change) times (sqrt(v) + eps) / (sqrt(v_global) + eps) - 1. Where v / bias2 overflows to
 // inf the rank's step divided by inf, and so did the global batch's: the ratio is 0 there, as the Adam form's
 // excess is, not inf / inf's NaN (which would reach the parameters).
-GS_HD float change_excess(float exp_avg, float exp_avg_sq, float change, float after, const RescaleArgs& a) {
+GS_HD float change_excess(float exp_avg, float exp_avg_sq, float* signal, float change, float after,
+                          const RescaleArgs& a) {
   const float m = exp_avg / a.bias1, v = exp_avg_sq / a.bias2;
+  const float s = squared_mean(m, signal, a);
   const float narrow = sqrt_rn(v) + a.eps;
   const bool overflowed = narrow > 0.0f && !is_finite(narrow);   // +inf (a NaN v stays NaN below)
-  const float ratio = overflowed ? 0.0f : narrow / (sqrt_rn(global_second_moment(m, v, a.world)) + a.eps) - 1.0f;
+  const float ratio = overflowed ? 0.0f : narrow / (sqrt_rn(global_second_moment(s, v, a.world)) + a.eps) - 1.0f;
   const float divided = a.decay != 0.0f ? change - (after + change) * a.decay : change;
   return divided * ratio;
 }
@@ -205,7 +222,6 @@ struct TrackedArgs {
 };
 
 // avg + (x - avg) * w: an exponential average, rounded the same on every path.
-GS_HD float ema(float avg, float x, float w) { return avg + (x - avg) * w; }
 // min(s, cap) where cap < s (a NaN s stays NaN).
 GS_HD float capped(float s, float cap) { return cap < s ? cap : s; }
 

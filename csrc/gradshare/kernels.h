@@ -83,9 +83,10 @@ ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, const float*
 void average_cpu(float* dst, const float* const* srcs, int64_t k, const float* weights, int64_t n);
 // target[i] +-= the excess of element i (element.h): adam_excess from the optimizer's moments (change ==
 // nullptr), or change_excess of the step's change (after: the parameters after the step, read only when
-// a.decay != 0). n floats each; target may be `change` itself (in place), and overlaps nothing else.
+// a.decay != 0). signal: nullptr, or gradshare's average of m^2, updated (element.h: squared_mean). n floats
+// each; target may be `change` itself (in place), and overlaps nothing else.
 void rescale_cpu(const float* exp_avg, const float* exp_avg_sq, const float* change, const float* after,
-                 float* target, int64_t n, const RescaleArgs& a);
+                 float* signal, float* target, int64_t n, const RescaleArgs& a);
 // The tensors of a step of an optimizer whose mean gradient gradshare keeps (element.h: tracked_excess), n
 // floats each. change and after may be target itself; nothing else overlaps.
 struct TrackedTensors {
@@ -123,7 +124,7 @@ ChunkedResult encode_ternary_cuda(const void* update, int32_t dtype, const float
 // srcs and weights are host arrays of device pointers / host floats.
 void average_cuda(float* dst, const float* const* srcs, int64_t k, const float* weights, int64_t n, void* stream);
 void rescale_cuda(const float* exp_avg, const float* exp_avg_sq, const float* change, const float* after,
-                  float* target, int64_t n, const RescaleArgs& a, void* stream);
+                  float* signal, float* target, int64_t n, const RescaleArgs& a, void* stream);
 void rescale_tracked_cuda(const TrackedTensors& t, int64_t n, const TrackedArgs& a, void* stream);
 int cuda_device_count();
 #endif
@@ -187,7 +188,7 @@ inline int32_t choose_format(int32_t choice, int64_t count, int64_t n, int64_t c
 }
 
 inline void check_rescale_args(const float* exp_avg, const float* exp_avg_sq, const float* change, const float* after,
-                               const float* target, int64_t n, const RescaleArgs& a) {
+                               const float* signal, const float* target, int64_t n, const RescaleArgs& a) {
   if (n < 0) throw std::invalid_argument("n must be >= 0");
   if (n > 0 && (exp_avg == nullptr || exp_avg_sq == nullptr || target == nullptr))
     throw std::invalid_argument("exp_avg, exp_avg_sq and target are required");
@@ -199,6 +200,9 @@ inline void check_rescale_args(const float* exp_avg, const float* exp_avg_sq, co
   if (!(a.eps >= 0.0f) || !is_finite(a.eps)) throw std::invalid_argument("eps must be >= 0 and finite");
   if (!is_finite(a.lr) || !is_finite(a.decay)) throw std::invalid_argument("lr and decay must be finite");
   if (a.sign != 1.0f && a.sign != -1.0f) throw std::invalid_argument("sign must be +1 or -1");
+  if (signal != nullptr && (!(a.signal_weight > 0.0f && a.signal_weight <= 1.0f) ||
+                            !(a.signal_bias > 0.0f && a.signal_bias <= 1.0f)))
+    throw std::invalid_argument("signal_weight and signal_bias must lie in (0, 1]");
 }
 
 // Whether a tracked step reads the parameters before it (a weight decay: coupled into the gradient, or

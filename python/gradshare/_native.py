@@ -84,11 +84,14 @@ def average(out: torch.Tensor, buffers, weights) -> None:
                out.numel(), out.is_cuda, _stream(out))
 
 
-def rescale(exp_avg, exp_avg_sq, change, after, target, bias1, bias2, world, eps, lr, decay, sign) -> None:
-    """target +-= the global batch's excess (csrc/gradshare/element.h); change / after: None or a tensor."""
+def rescale(exp_avg, exp_avg_sq, change, after, signal, target, bias1, bias2, world, eps, lr, decay, sign,
+            signal_weight, signal_bias) -> None:
+    """target +-= the global batch's excess (csrc/gradshare/element.h), signal updated; change / after / signal:
+    None or a tensor."""
     addr = (lambda t: 0 if t is None else t.data_ptr())
-    _C.rescale(exp_avg.data_ptr(), exp_avg_sq.data_ptr(), addr(change), addr(after), target.data_ptr(),
-               target.numel(), bias1, bias2, world, eps, lr, decay, sign, target.is_cuda, _stream(target))
+    _C.rescale(exp_avg.data_ptr(), exp_avg_sq.data_ptr(), addr(change), addr(after), addr(signal), target.data_ptr(),
+               target.numel(), bias1, bias2, world, eps, lr, decay, sign, signal_weight, signal_bias, target.is_cuda,
+               _stream(target))
 
 
 def rescale_tracked(kind, grad, change, after, second, grad_avg, mean, extra, target, scalars) -> None:

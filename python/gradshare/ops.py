@@ -282,21 +282,24 @@ def _(out, buffers, weights):
 
 
 def _global_batch_step_impl(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, target: torch.Tensor,
-                            change: Optional[torch.Tensor], after: Optional[torch.Tensor], bias1: float, bias2: float,
-                            world: float, eps: float, lr: float, decay: float, sign: float) -> None:
+                            change: Optional[torch.Tensor], after: Optional[torch.Tensor],
+                            signal: Optional[torch.Tensor], bias1: float, bias2: float, world: float, eps: float,
+                            lr: float, decay: float, sign: float, signal_weight: float, signal_bias: float) -> None:
     if _native.available():
-        _native.rescale(exp_avg, exp_avg_sq, change, after, target, bias1, bias2, world, eps, lr, decay, sign)
+        _native.rescale(exp_avg, exp_avg_sq, change, after, signal, target, bias1, bias2, world, eps, lr, decay, sign,
+                        signal_weight, signal_bias)
     else:
         reference.global_batch_step(exp_avg, exp_avg_sq, target, bias1, bias2, world, eps, lr, change, after, decay,
-                                    sign)
+                                    sign, signal=signal, signal_weight=signal_weight, signal_bias=signal_bias)
 
 
 _global_batch_step_op = torch.library.custom_op("gradshare::global_batch_step", _global_batch_step_impl,
-                                                mutates_args=("target",))
+                                                mutates_args=("target", "signal"))
 
 
 @_global_batch_step_op.register_fake
-def _(exp_avg, exp_avg_sq, target, change, after, bias1, bias2, world, eps, lr, decay, sign):
+def _(exp_avg, exp_avg_sq, target, change, after, signal, bias1, bias2, world, eps, lr, decay, sign, signal_weight,
+      signal_bias):
     return None
 
 
@@ -652,22 +655,33 @@ def _float32_operands(given: dict, written: Sequence[str]) -> dict:
 
 def global_batch_step(exp_avg: ArrayLike, exp_avg_sq: ArrayLike, target: ArrayLike, *, bias1: float, bias2: float,
                       world: int, eps: float, lr: float = 0.0, change: Optional[ArrayLike] = None,
-                      after: Optional[ArrayLike] = None, decay: float = 0.0, sign: float = 1.0) -> None:
+                      after: Optional[ArrayLike] = None, decay: float = 0.0, sign: float = 1.0,
+                      signal: Optional[ArrayLike] = None, signal_weight: float = 0.0, signal_bias: float = 1.0) -> None:
     """Adds to ``target`` (``sign`` -1: subtracts) how far a rank's Adam-family step falls short of the step
     on the global batch of ``world`` ranks (gradshare.second_moment), in one pass over memory.
 
     ``exp_avg`` / ``exp_avg_sq``: the optimizer's moments (amsgrad: its running maximum), divided by ``bias1``
-    / ``bias2`` (1 - beta^t) into m and v; v_global = m^2 + max(v - m^2, 0) / W. Without ``change`` (Adam,
+    / ``bias2`` (1 - beta^t) into m and v; v_global = s + max(v - s, 0) / W with s the squared mean: m^2, or
+    with ``signal`` (gradshare's average of m^2 over v's window, updated here: signal += (m^2 - signal) *
+    ``signal_weight``) signal / ``signal_bias``. Without ``change`` (Adam,
     AdamW) the excess is lr * m * (1 / (sqrt(v_global) + eps) - 1 / (sqrt(v) + eps)); with it (NAdam, RAdam:
     the step's change, before - after) it is the change less ``decay`` (lr * weight decay, when decoupled)
     times the parameters before the step (``after`` + change), times (sqrt(v) + eps) / (sqrt(v_global) + eps)
     - 1. All float32, contiguous, of one size and device; ``target`` may be ``change`` or ``after`` itself,
     and overlaps nothing else. Bit for bit as gradshare.reference.global_batch_step.
     """
-    ts = _float32_operands(dict(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, target=target, change=change, after=after),
-                           written=("target",))
+    ts = _float32_operands(dict(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, target=target, change=change, after=after,
+                                signal=signal), written=("target", "signal"))
     tgt = ts["target"]
     decay, sign = float(decay), float(sign)
+    signal_weight, signal_bias = float(signal_weight), float(signal_bias)
+    if signal is not None:
+        if not (0.0 < signal_weight <= 1.0 and 0.0 < signal_bias <= 1.0):
+            raise ValueError(f"signal_weight, signal_bias: 1 - beta2 and 1 - beta2^k lie in (0, 1], got "
+                             f"{signal_weight}, {signal_bias}")
+        for n in ("exp_avg", "exp_avg_sq", "target", "change", "after"):
+            if n in ts and _overlap(ts["signal"], ts[n]):
+                raise ValueError(f"signal: overlaps {n}")
     if change is None and (after is not None or decay != 0.0):
         raise ValueError("after / decay: only with change (the NAdam / RAdam form)")
     if decay != 0.0 and after is None:
@@ -692,8 +706,8 @@ def global_batch_step(exp_avg: ArrayLike, exp_avg_sq: ArrayLike, target: ArrayLi
         raise ValueError(f"sign: +1 (add) or -1 (subtract), got {sign}")
     flat = {n: t.view(-1) for n, t in ts.items()}
     _run(_global_batch_step_op, _global_batch_step_impl, flat["exp_avg"], flat["exp_avg_sq"], flat["target"],
-         flat.get("change"), flat.get("after"), float(bias1), float(bias2), float(world), float(eps), float(lr),
-         decay, sign)
+         flat.get("change"), flat.get("after"), flat.get("signal"), float(bias1), float(bias2), float(world),
+         float(eps), float(lr), decay, sign, signal_weight, signal_bias)
 
 
 def global_batch_step_tracked(grad: ArrayLike, change: ArrayLike, mean: ArrayLike, target: ArrayLike, *, kind: str,

@@ -465,20 +465,27 @@ def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
     return x.double().sqrt_().float()
 
 
-def global_second_moment(m: torch.Tensor, v: torch.Tensor, world: float) -> torch.Tensor:
-    """v_global = m^2 + max(v - m^2, 0) / W (gradshare.second_moment); ``v`` is left as it is."""
-    m2 = m * m
-    return torch.sub(v, m2).clamp_min_(0.0).div_(world).add_(m2)
+def global_second_moment(s: torch.Tensor, v: torch.Tensor, world: float) -> torch.Tensor:
+    """v_global = s + max(v - s, 0) / W, s the squared mean of the gradient (gradshare.second_moment); ``v`` is
+    left as it is."""
+    return torch.sub(v, s).clamp_min_(0.0).div_(world).add_(s)
 
 
 def global_batch_step(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, target: torch.Tensor, bias1: float,
                       bias2: float, world: float, eps: float, lr: float = 0.0, change: Optional[torch.Tensor] = None,
-                      after: Optional[torch.Tensor] = None, decay: float = 0.0, sign: float = 1.0) -> None:
+                      after: Optional[torch.Tensor] = None, decay: float = 0.0, sign: float = 1.0,
+                      signal: Optional[torch.Tensor] = None, signal_weight: float = 0.0,
+                      signal_bias: float = 1.0) -> None:
     """target +-= the excess of the global batch's step over a rank's own (csrc/gradshare/element.h:
-    adam_excess without ``change``, change_excess with it), in float32 torch ops."""
+    adam_excess without ``change``, change_excess with it), in float32 torch ops; ``signal`` (element.h:
+    squared_mean) updated in place."""
     m = exp_avg.float() / bias1
     v = exp_avg_sq.float() / bias2
-    wide = sqrt_rn(global_second_moment(m, v, world)).add_(eps)
+    if signal is None:
+        s = m * m
+    else:
+        s = ema_(signal.view(-1), (m * m).view(-1), signal_weight).view_as(m) / signal_bias
+    wide = sqrt_rn(global_second_moment(s, v, world)).add_(eps)
     narrow = sqrt_rn(v).add_(eps)
     if change is None:
         excess = wide.reciprocal_().sub_(narrow.reciprocal_()).mul_(m).mul_(lr)

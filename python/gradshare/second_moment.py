@@ -12,10 +12,17 @@ compressed sharing showed.
 gradshare rescales the Adam part of each rank's step to the second moment the global batch would have,
 estimated from the rank's own bias-corrected moments m and v:
 
-    v_global = m^2 + max(v - m^2, 0) / W
+    v_global = s + max(v - s, 0) / W
 
-(m^2 estimates the squared mean of the gradient, v - m^2 its variance over steps, which a W-times larger
-batch divides by W). A step -lr * m / (sqrt(v) + eps) becomes -lr * m / (sqrt(v_global) + eps): the same
+(s estimates the squared mean of the gradient that v holds, v - s its variance over steps, which a W-times
+larger batch divides by W). s is the average of m^2 over v's own window: an exponential average with the
+optimizer's beta2, bias-corrected, kept per parameter by :class:`GlobalBatchStep` (one float per element,
+saved in gradshare's checkpoints). m alone averages over about 1 / (1 - beta1) steps (10) where v averages over
+up to 1 / (1 - beta2) (1000): where the gradient's mean has grown over v's window, m^2 overstates what v
+holds of it, v_global comes out too large and the shared steps fall short of DDP's (RAdam, whose
+rectification holds back its first steps: 6% of loss on bench/optimizers.py, uncompressed; README, "Every
+optimizer torch ships"). Without that state (:func:`step_excess` called alone) s is this step's m^2. A step
+-lr * m / (sqrt(v) + eps) becomes -lr * m / (sqrt(v_global) + eps): the same
 where the gradient's sign is steady, up to sqrt(W) larger where noise dominates, as in DDP. With one rank
 v_global = v and nothing changes. Weight decay (decoupled or not) and the learning rate of the moment (a
 scheduler's) are the optimizer's own.
@@ -285,7 +292,7 @@ def step_excess(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], w
     if kind in OWN_MEAN or kind in TRACKED:
         _check_tracked(kind, change, aux)
         return target if _apply_tracked(p, state, group, world, kind, change, aux, target, 1.0) else None
-    return target if _apply_adam_family(p, state, group, world, kind, change, target, 1.0) else None
+    return target if _apply_adam_family(p, state, group, world, kind, change, target, 1.0, aux) else None
 
 
 def _check_tracked(kind: str, change: Optional[torch.Tensor], aux: Optional[Dict[str, Any]]) -> None:
@@ -296,9 +303,10 @@ def _check_tracked(kind: str, change: Optional[torch.Tensor], aux: Optional[Dict
 
 
 def _adam_family_args(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], world: int, kind: str,
-                      change: Optional[torch.Tensor]) -> Optional[Dict[str, Any]]:
+                      change: Optional[torch.Tensor], aux: Optional[Dict[str, Any]] = None) -> Optional[Dict[str, Any]]:
     """The arguments of gradshare.ops.global_batch_step for an Adam, AdamW, NAdam or RAdam step (less the
-    target); None when there is nothing to correct."""
+    target); None when there is nothing to correct. With ``aux`` (the parameter's entry of
+    :class:`GlobalBatchStep`) the squared mean is its average of m^2 over v's window, which the step updates."""
     m = state.get("exp_avg")
     v = state.get("max_exp_avg_sq") if group.get("amsgrad") else state.get("exp_avg_sq")
     step = state.get("step")
@@ -312,7 +320,7 @@ def _adam_family_args(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, A
     args = dict(exp_avg=m.detach().reshape(-1), exp_avg_sq=v.detach().reshape(-1), bias1=1.0 - b1 ** t,
                 bias2=1.0 - b2 ** t, world=world, eps=eps)
     if kind == "adam":
-        return dict(args, lr=lr)
+        return _with_squared_mean(dict(args, lr=lr), p, b2, aux)
     if change is None:
         raise ValueError(f"second moment: a {kind} step is rescaled from its change; none was given")
     if kind == "radam":
@@ -324,17 +332,31 @@ def _adam_family_args(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, A
     wd = float(group.get("weight_decay", 0.0))
     if wd and group.get("decoupled_weight_decay", False):           # p *= 1 - lr * wd came first, undivided
         args.update(after=p.detach().reshape(-1), decay=lr * wd)
-    return args
+    return _with_squared_mean(args, p, b2, aux)
+
+
+def _with_squared_mean(args: Dict[str, Any], p: torch.Tensor, b2: float,
+                       aux: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """``args`` with the average of m^2 over v's window (beta2) that ``aux`` keeps, counting this step
+    (module docstring: the squared mean); as they are without ``aux``."""
+    if aux is None:
+        return args
+    if aux.get("squared_mean") is None:
+        aux.update(squared_mean=torch.zeros(p.numel(), dtype=torch.float32, device=p.device), squared_mean_steps=0)
+    aux["squared_mean_steps"] += 1
+    return dict(args, signal=aux["squared_mean"], signal_weight=1.0 - b2,
+                signal_bias=1.0 - b2 ** aux["squared_mean_steps"])
 
 
 def _apply_adam_family(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], world: int, kind: str,
-                       change: Optional[torch.Tensor], target: torch.Tensor, sign: float) -> bool:
+                       change: Optional[torch.Tensor], target: torch.Tensor, sign: float,
+                       aux: Optional[Dict[str, Any]] = None) -> bool:
     """target +-= :func:`step_excess` of an Adam-family step (gradshare.ops.global_batch_step: one native pass
     where every tensor is contiguous float32, the same float32 torch ops otherwise); False: nothing to do."""
-    args = _adam_family_args(p, state, group, world, kind, change)
+    args = _adam_family_args(p, state, group, world, kind, change, aux)
     if args is None:
         return False
-    tensors = [target] + [args[k] for k in ("exp_avg", "exp_avg_sq", "change", "after") if k in args]
+    tensors = [target] + [args[k] for k in ("exp_avg", "exp_avg_sq", "change", "after", "signal") if k in args]
     if all(x.dtype == torch.float32 and x.is_contiguous() for x in tensors):
         ops.global_batch_step(target=target.view(-1), sign=sign, **args)
     else:
@@ -342,24 +364,28 @@ def _apply_adam_family(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, 
     return True
 
 
-def _converted(state: Dict[str, Any], group: Dict[str, Any], factor: float) -> Optional[torch.Tensor]:
+def _converted(state: Dict[str, Any], group: Dict[str, Any], factor: float,
+               squared: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """``exp_avg_sq`` with the variance part of its bias-corrected value times ``factor`` (1/W: a rank's own ->
-    the global batch's; W: back), in the optimizer's units and dtype; None where there is nothing to convert."""
+    the global batch's; W: back), in the optimizer's units and dtype; None where there is nothing to convert.
+    ``squared``: the squared mean (:meth:`GlobalBatchStep.squared_mean`); None: m^2."""
     if group.get("amsgrad"):
         return None
     mv = _moments(state, group)
     if mv is None:
         return None
     m, v, t = mv
-    m2 = m * m
+    m2 = m * m if squared is None else squared.view_as(m)
     b2 = float(group["betas"][1])
     return torch.sub(v, m2).clamp_min_(0.0).mul_(factor).add_(m2).mul_(1.0 - b2 ** t).to(state["exp_avg_sq"].dtype)
 
 
-def global_exp_avg_sq(state: Dict[str, Any], group: Dict[str, Any], world: int) -> Optional[torch.Tensor]:
+def global_exp_avg_sq(state: Dict[str, Any], group: Dict[str, Any], world: int,
+                      squared: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """This rank's estimate of the global batch's ``exp_avg_sq`` from its own (in the optimizer's units and
-    dtype, not bias-corrected); None: nothing to convert (one rank, no step yet, amsgrad)."""
-    return _converted(state, group, 1.0 / world) if world > 1 else None
+    dtype, not bias-corrected); None: nothing to convert (one rank, no step yet, amsgrad). ``squared``: the
+    squared mean to keep whole (:meth:`GlobalBatchStep.squared_mean`; None: m^2)."""
+    return _converted(state, group, 1.0 / world, squared) if world > 1 else None
 
 
 def groups_of(optimizer: torch.optim.Optimizer) -> Dict[int, Dict[str, Any]]:
@@ -382,7 +408,10 @@ def to_global(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], 
         return
     groups = groups_of(optimizer) if name is not None else {}
     for key, p, t in state_tensors(optimizer, params, per_element=False):
-        src = global_exp_avg_sq(optimizer.state[p], groups[id(p)], world) if groups and key == "exp_avg_sq" else None
+        src = None
+        if groups and key == "exp_avg_sq":
+            squared = rescale.squared_mean(p, groups[id(p)]) if rescale is not None else None
+            src = global_exp_avg_sq(optimizer.state[p], groups[id(p)], world, squared)
         yield (t if src is None else src), t
 
 
@@ -401,16 +430,18 @@ def to_own(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], wor
     groups = groups_of(optimizer)
     for p in params:
         st = optimizer.state.get(p)
-        own = _converted(st, groups[id(p)], float(world)) if st else None
+        squared = rescale.squared_mean(p, groups[id(p)]) if rescale is not None and st else None
+        own = _converted(st, groups[id(p)], float(world), squared) if st else None
         if own is not None:
             st["exp_avg_sq"].copy_(own)
 
 
 class GlobalBatchStep:
-    """This module's rule for one optimizer, and the state it keeps for RMSprop, Adagrad, Adadelta, Adamax and
-    Adafactor: per parameter, the mean gradient (and Adagrad's running sum of its square, RMSprop's momentum
-    of the step's difference, Adamax's and Adafactor's mean square). Each rank keeps its own; the sharing
-    fronts hold one and save it in their checkpoints."""
+    """This module's rule for one optimizer, and the state it keeps: per parameter, for Adam, AdamW, NAdam and
+    RAdam the average of m^2 over v's window; for RMSprop, Adagrad, Adadelta, Adamax and Adafactor the mean
+    gradient (and Adagrad's running sum of its square, RMSprop's momentum of the step's difference, Adamax's
+    and Adafactor's mean square). Each rank keeps its own; the sharing fronts hold one and save it in their
+    checkpoints."""
 
     def __init__(self, optimizer: Optional[torch.optim.Optimizer]):
         self.optimizer = optimizer
@@ -418,7 +449,15 @@ class GlobalBatchStep:
         self._aux: Dict[int, Dict[str, Any]] = {}
 
     def _entry(self, p: torch.Tensor) -> Optional[Dict[str, Any]]:
-        return self._aux.setdefault(id(p), {}) if self.kind in OWN_MEAN or self.kind in TRACKED else None
+        return self._aux.setdefault(id(p), {}) if self.kind is not None else None
+
+    def squared_mean(self, p: torch.Tensor, group: Dict[str, Any]) -> Optional[torch.Tensor]:
+        """Adam family: the bias-corrected average of m^2 over v's window that this object keeps for ``p``
+        (flat float32, a copy); None before its first step here, or for other optimizers."""
+        aux = self._aux.get(id(p)) if self.kind in ADAM_FAMILY else None
+        if not aux or aux.get("squared_mean") is None:
+            return None
+        return aux["squared_mean"] / (1.0 - float(group["betas"][1]) ** aux["squared_mean_steps"])
 
     def excess(self, p: torch.Tensor, group: Dict[str, Any], world: int,
                change: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
@@ -438,7 +477,7 @@ class GlobalBatchStep:
         if not st or world <= 1 or p.grad is None:
             return
         if self.kind in ADAM_FAMILY:
-            _apply_adam_family(p, st, group, world, self.kind, change, target, sign)
+            _apply_adam_family(p, st, group, world, self.kind, change, target, sign, self._entry(p))
             return
         aux = self._entry(p)
         _check_tracked(self.kind, change, aux)
@@ -526,8 +565,9 @@ class GlobalBatchStep:
                 raise ValueError(f"load_state_dict: the checkpoint's mean gradient is for parameter #{i}, the "
                                  f"optimizer has {len(order)}")
             p = order[i]
-            mean = entry.get("mean")
-            if mean is not None and mean.numel() != p.numel():
-                raise ValueError(f"load_state_dict: parameter #{i} has {p.numel()} elements, its mean gradient in "
-                                 f"the checkpoint {mean.numel()}")
+            for key in ("mean", "squared_mean"):
+                t = entry.get(key)
+                if t is not None and t.numel() != p.numel():
+                    raise ValueError(f"load_state_dict: parameter #{i} has {p.numel()} elements, its {key} in the "
+                                     f"checkpoint {t.numel()}")
             self._aux[id(p)] = {k: (v.to(p.device) if torch.is_tensor(v) else v) for k, v in entry.items()}
