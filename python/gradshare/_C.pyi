@@ -33,10 +33,12 @@ def decode(dst: int, n: int, msgs: int, num_msgs: int, row_words: int, scale: fl
 def average(dst: int, srcs: List[int], weights: List[float], n: int, cuda: bool, stream: int) -> None:
     """dst = sum of weights[i] * srcs[i] (equal weights when empty)."""
 
-def rescale(exp_avg: int, exp_avg_sq: int, change: int, after: int, target: int, n: int, bias1: float, bias2: float,
-            world: float, eps: float, lr: float, decay: float, sign: float, cuda: bool, stream: int) -> None:
+def rescale(exp_avg: int, exp_avg_sq: int, change: int, after: int, signal: int, target: int, n: int, bias1: float,
+            bias2: float, world: float, eps: float, lr: float, decay: float, sign: float, signal_weight: float,
+            signal_bias: float, cuda: bool, stream: int) -> None:
     """target += sign * the excess of the global batch's step over a rank's own (Adam form when change is 0,
-    else the change form; after is read only when decay != 0)."""
+    else the change form; after is read only when decay != 0); signal (0: none) is gradshare's average of m^2,
+    updated with signal_weight and read divided by signal_bias."""
 
 def rescale_tracked(kind: int, grad: int, change: int, after: int, second: int, grad_avg: int, mean: int, extra: int,
                     target: int, n: int, world: float, inv_world: float, grad_sign: float, weight_decay: float,
