@@ -163,10 +163,11 @@ void rescale(uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t change, uintptr_
 }
 
 void rescale_tracked(int32_t kind, uintptr_t grad, uintptr_t change, uintptr_t after, uintptr_t second,
-                     uintptr_t grad_avg, uintptr_t mean, uintptr_t extra, uintptr_t target, int64_t n, float world,
-                     float inv_world, float grad_sign, float weight_decay, float decay, float mean_weight,
-                     float mean_bias, float offset, float scale, float count, float eps, float momentum, float lr,
-                     float square_weight, float square_bias, float sign, bool cuda, uintptr_t stream) {
+                     uintptr_t grad_avg, uintptr_t mean, uintptr_t extra, uintptr_t signal, uintptr_t target,
+                     int64_t n, float world, float inv_world, float grad_sign, float weight_decay, float decay,
+                     float mean_weight, float mean_bias, float offset, float scale, float count, float eps,
+                     float momentum, float lr, float square_weight, float square_bias, float sign, float signal_weight,
+                     float signal_bias, bool cuda, uintptr_t stream) {
   gs::TrackedTensors t;
   t.grad = ptr<const float>(grad);
   t.change = ptr<const float>(change);
@@ -175,6 +176,7 @@ void rescale_tracked(int32_t kind, uintptr_t grad, uintptr_t change, uintptr_t a
   t.grad_avg = ptr<const float>(grad_avg);
   t.mean = ptr<float>(mean);
   t.extra = ptr<float>(extra);
+  t.signal = ptr<float>(signal);
   t.target = ptr<float>(target);
   gs::TrackedArgs a;
   a.kind = kind;
@@ -194,6 +196,8 @@ void rescale_tracked(int32_t kind, uintptr_t grad, uintptr_t change, uintptr_t a
   a.square_weight = square_weight;
   a.square_bias = square_bias;
   a.sign = sign;
+  a.signal_weight = signal_weight;
+  a.signal_bias = signal_bias;
   py::gil_scoped_release nogil;
   if (cuda) {
 #ifdef GS_HAVE_CUDA
@@ -247,11 +251,12 @@ PYBIND11_MODULE(_C, m) {
         py::arg("eps"), py::arg("lr"), py::arg("decay"), py::arg("sign"), py::arg("signal_weight"),
         py::arg("signal_bias"), py::arg("cuda"), py::arg("stream"));
   m.def("rescale_tracked", &rescale_tracked, py::arg("kind"), py::arg("grad"), py::arg("change"), py::arg("after"),
-        py::arg("second"), py::arg("grad_avg"), py::arg("mean"), py::arg("extra"), py::arg("target"), py::arg("n"),
-        py::arg("world"), py::arg("inv_world"), py::arg("grad_sign"), py::arg("weight_decay"), py::arg("decay"),
-        py::arg("mean_weight"), py::arg("mean_bias"), py::arg("offset"), py::arg("scale"), py::arg("count"),
-        py::arg("eps"), py::arg("momentum"), py::arg("lr"), py::arg("square_weight"), py::arg("square_bias"),
-        py::arg("sign"), py::arg("cuda"), py::arg("stream"));
+        py::arg("second"), py::arg("grad_avg"), py::arg("mean"), py::arg("extra"), py::arg("signal"), py::arg("target"),
+        py::arg("n"), py::arg("world"), py::arg("inv_world"), py::arg("grad_sign"), py::arg("weight_decay"),
+        py::arg("decay"), py::arg("mean_weight"), py::arg("mean_bias"), py::arg("offset"), py::arg("scale"),
+        py::arg("count"), py::arg("eps"), py::arg("momentum"), py::arg("lr"), py::arg("square_weight"),
+        py::arg("square_bias"), py::arg("sign"), py::arg("signal_weight"), py::arg("signal_bias"), py::arg("cuda"),
+        py::arg("stream"));
   m.def("build_info", &build_info);
   m.def("cpu_threads", &gs::cpu_threads);
   m.def("set_cpu_threads", &gs::set_cpu_threads, py::arg("threads"));

@@ -68,14 +68,19 @@ def global_batch_step_case(form: str, n: int, seed: int, world: int = 2, edge: b
 TRACKED_FORMS = [("rmsprop", "plain"), ("rmsprop", "centered"), ("rmsprop", "momentum"),
                  ("rmsprop", "centered_momentum"), ("rmsprop", "decay"), ("adagrad", "plain"), ("adagrad", "decay"),
                  ("adadelta", "plain"), ("adadelta", "decay"), ("adamax", "plain"), ("adamax", "decay"),
-                 ("adafactor", "plain"), ("adafactor", "decay")]
+                 ("adafactor", "plain"), ("adafactor", "decay"),
+                 # with gradshare's average of m^2 over the second moment's window (signal)
+                 ("rmsprop", "signal"), ("rmsprop", "momentum_signal"), ("rmsprop", "decay_signal"),
+                 ("adadelta", "signal"), ("adamax", "signal"), ("adamax", "decay_signal"), ("adafactor", "signal"),
+                 ("adafactor", "decay_signal")]
 
 
 def tracked_step_case(kind: str, variant: str, n: int, seed: int, world: int = 2, edge: bool = False,
                       nonfinite: bool = False, maximize: bool = False):
     """(grad, change, mean, keyword arguments) for gradshare.ops.global_batch_step_tracked: a mid-training
     state of ``kind`` ("rmsprop", ..., "adafactor") in ``variant`` ("plain", "centered", "momentum",
-    "centered_momentum", "decay": a weight decay, which reads ``after``); with ``edge``, zeros, a second moment
+    "centered_momentum", "decay": a weight decay, which reads ``after``; "..._signal" or "signal": with
+    gradshare's average of m^2, ``signal``, written by the op); with ``edge``, zeros, a second moment
     of 0 and huge and tiny values; with ``nonfinite`` also a NaN and an inf."""
     g = torch.Generator().manual_seed(seed)
     grad = torch.randn(n, generator=g) * 1e-2
@@ -97,7 +102,11 @@ def tracked_step_case(kind: str, variant: str, n: int, seed: int, world: int = 2
     else:
         kw.update(extra=grad * grad * (torch.rand(n, generator=g) * 3) + torch.rand(n, generator=g) * 1e-6,
                   square_weight=1e-3 if kind == "adamax" else 0.2, square_bias=0.00699 if kind == "adamax" else 1.0)
-    if variant == "decay":
+    if "signal" in variant:   # an average of m^2 (bias-corrected by signal_bias) within a factor 2 of this m^2
+        weight, bias = (0.2, 1.0) if kind == "adafactor" else (1e-2, 0.0679)
+        kw.update(signal=(mean / 0.651) ** 2 * bias * (0.5 + torch.rand(n, generator=g)), signal_weight=weight,
+                  signal_bias=bias)
+    if "decay" in variant:
         kw["after"] = torch.randn(n, generator=g)
         kw["decay" if kind == "adafactor" else "weight_decay"] = 3e-4 if kind == "adafactor" else 1e-2
     if edge and n >= 4:
@@ -105,7 +114,7 @@ def tracked_step_case(kind: str, variant: str, n: int, seed: int, world: int = 2
         grad[1] = 1e-3
         grad[2], mean[2] = 3e18, 1e18
         grad[3], mean[3] = -1e-30, 1e-40
-        for key in ("second", "extra"):
+        for key in ("second", "extra", "signal"):
             if key in kw:
                 kw[key][0], kw[key][1], kw[key][3] = 0.0, 0.0, 1e-44
     if nonfinite and n >= 6:

@@ -409,8 +409,9 @@ def test_global_batch_step_tracked_matches_cpu(n, kind, variant, sign):
     ops.global_batch_step_tracked(grad, change, mean, target, sign=sign, **kw)
     assert_bits_equal(on_gpu["target"], target)
     assert_bits_equal(on_gpu["mean"], mean)
-    if "extra" in kw:
-        assert_bits_equal(gkw["extra"], kw["extra"])
+    for key in ("extra", "signal"):
+        if key in kw:
+            assert_bits_equal(gkw[key], kw[key])
 
 
 @pytest.mark.parametrize("alias", ["change", "after"])

@@ -306,8 +306,9 @@ def test_global_batch_step_tracked_matches_reference(n, kind, variant, sign, wor
     ops.global_batch_step_tracked(grad, change, mean, target, sign=sign, **kw)
     assert_bits_equal(target, expected)
     assert_bits_equal(mean, exp_mean)
-    if "extra" in kw:
-        assert_bits_equal(kw["extra"], exp_kw["extra"])
+    for key in ("extra", "signal"):
+        if key in kw:
+            assert_bits_equal(kw[key], exp_kw[key])
     if n >= 8:
         assert not torch.equal(mean[8:], tracked_step_case(kind, variant, n, seed=n + world)[2][8:])   # it moved
         if world == 1 and "momentum" not in variant:   # one rank: its batch is the global batch; only roundings
@@ -316,7 +317,7 @@ def test_global_batch_step_tracked_matches_reference(n, kind, variant, sign, wor
             assert not torch.equal(target[8:], original[8:])
 
 
-IN_PLACE = ([(k, v, alias) for k, v in TRACKED_FORMS if v == "decay" for alias in ("change", "after")]
+IN_PLACE = ([(k, v, alias) for k, v in TRACKED_FORMS if "decay" in v for alias in ("change", "after")]
             + [("rmsprop", "momentum", "change"), ("adamax", "plain", "change")])
 
 
@@ -600,16 +601,18 @@ def test_opcheck_global_batch_step():
 
 def test_opcheck_global_batch_step_tracked():
     from gradshare.ops import TRACKED_SCALARS
-    for kind, variant in (("rmsprop", "centered_momentum"), ("adafactor", "decay"), ("adagrad", "plain")):
+    for kind, variant in (("rmsprop", "centered_momentum"), ("adafactor", "decay"), ("adagrad", "plain"),
+                          ("adamax", "decay_signal")):
         grad, change, mean, kw = tracked_step_case(kind, variant, 700, seed=2)
         scalars = dict(world=2.0, inv_world=0.5, grad_sign=1.0, weight_decay=kw.get("weight_decay", 0.0),
                        decay=kw.get("decay", 0.0), mean_weight=0.1, mean_bias=kw["mean_bias"],
                        offset=kw.get("offset", 0.0), scale=kw.get("scale", 1.0), count=kw.get("count", 1.0),
                        eps=kw.get("eps", 0.0), momentum=kw.get("momentum", 0.0), lr=kw.get("lr", 0.0),
-                       square_weight=kw.get("square_weight", 0.0), square_bias=kw.get("square_bias", 1.0), sign=1.0)
+                       square_weight=kw.get("square_weight", 0.0), square_bias=kw.get("square_bias", 1.0), sign=1.0,
+                       signal_weight=kw.get("signal_weight", 0.0), signal_bias=kw.get("signal_bias", 1.0))
         _opcheck(torch.ops.gradshare.global_batch_step_tracked.default,
                  (grad, change, kw.get("after"), kw.get("second"), kw.get("grad_avg"), mean, kw.get("extra"),
-                  torch.randn(700), ["rmsprop", "adagrad", "adadelta", "adamax", "adafactor"].index(kind),
+                  kw.get("signal"), torch.randn(700), ["rmsprop", "adagrad", "adadelta", "adamax", "adafactor"].index(kind),
                   [scalars[n] for n in TRACKED_SCALARS]))
 
 

@@ -417,16 +417,25 @@ def _tracked(base="rmsprop", **kw):
     ("rmsprop", dict(scale=0.0), ValueError, r"^scale: must be > 0"),
     ("adagrad", dict(count=0.5), ValueError, r"^count: Adagrad's steps, >= 1"),
     ("rmsprop", dict(sign=0.5), ValueError, r"^sign: \+1 \(add\) or -1 \(subtract\), got 0.5"),
+    ("adagrad", dict(signal=torch.zeros(N), signal_weight=0.1), ValueError, r"^signal: not for Adagrad"),
+    ("rmsprop", dict(signal=torch.zeros(N), signal_weight=0.1, grad_avg=torch.zeros(N)), ValueError,
+     r"^signal: not for centered RMSprop"),
+    ("adamax", dict(signal=torch.zeros(N)), ValueError, r"^signal_weight: must lie in \(0, 1\] with a signal, got 0.0"),
+    ("rmsprop", dict(signal=torch.zeros(N), signal_weight=0.1, signal_bias=1.5), ValueError,
+     r"^signal_bias: must lie in \(0, 1\] with a signal"),
+    ("adafactor", dict(signal=torch.zeros(N, dtype=torch.float64), signal_weight=0.1), TypeError,
+     r"^signal: dtype float64"),
 ], ids=["kind", "target_f64", "grad_bf16", "mean_size", "change_strided", "second_missing", "second_extra",
         "grad_avg", "momentum", "momentum_extra", "extra_missing", "extra_extra", "adafactor_wd", "adamax_decay",
         "after_missing", "world_zero", "eps_nan", "eps_negative", "mean_bias", "square_bias", "square_weight",
-        "scale", "count", "sign"])
+        "scale", "count", "sign", "signal_adagrad", "signal_centered", "signal_weight", "signal_bias", "signal_f64"])
 def test_global_batch_step_tracked_checks(kind, kw, exc, pattern):
     grad, change, mean, target, args = _tracked(kind, **kw)
-    written = [t.clone() for t in (mean, target, args.get("extra", mean))]
+    state = (mean, target, args.get("extra", mean), args.get("signal", mean))
+    written = [t.clone() for t in state]
     with pytest.raises(exc, match=pattern):
         ops.global_batch_step_tracked(grad, change, mean, target, **args)
-    for t, was in zip((mean, target, args.get("extra", mean)), written):
+    for t, was in zip(state, written):
         assert torch.equal(t, was)                                     # nothing written
 
 
@@ -443,6 +452,15 @@ def test_global_batch_step_tracked_refuses_overlaps():
         ops.global_batch_step_tracked(grad, base[:N], mean, base[1:], **args)
     with pytest.raises(ValueError, match=r"^after: the parameters after the step cannot be the change"):
         ops.global_batch_step_tracked(grad, change, mean, target, **dict(args, weight_decay=0.1, after=change))
+    grad, change, mean, target, args = _tracked("adamax", signal_weight=0.1)
+    with pytest.raises(ValueError, match=r"^signal: overlaps mean"):
+        ops.global_batch_step_tracked(grad, change, mean, target, **dict(args, signal=mean))
+    with pytest.raises(ValueError, match=r"^signal: overlaps extra"):
+        ops.global_batch_step_tracked(grad, change, mean, target, **dict(args, signal=args["extra"]))
+    with pytest.raises(ValueError, match=r"^signal: overlaps grad; it is only read"):
+        ops.global_batch_step_tracked(grad, change, mean, target, **dict(args, signal=grad))
+    with pytest.raises(ValueError, match=r"^signal: overlaps change"):
+        ops.global_batch_step_tracked(grad, change, mean, target, **dict(args, signal=change))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -466,25 +484,31 @@ def test_read_only_numpy_outputs_are_refused():
 @pytest.mark.parametrize("change,pattern", [
     (dict(kind=7), r"kind must be 0 to 4"),
     (dict(inv_world=0.0), r"inv_world must be in \(0, 1\]"),
-    (dict(mean="target"), r"mean, extra and target must be distinct"),
+    (dict(mean="target"), r"mean, extra, signal and target must be distinct"),
     (dict(target="grad"), r"written, so they cannot be grad, second or grad_avg"),
+    (dict(signal="mean", signal_weight=0.1), r"mean, extra, signal and target must be distinct"),
+    (dict(signal="change", signal_weight=0.1), r"mean, extra and signal cannot be change or after"),
+    (dict(signal="signal", signal_weight=0.0), r"signal_weight and signal_bias must lie in \(0, 1\]"),
+    (dict(kind=1, extra="extra", signal="signal", signal_weight=0.1), r"signal: not for Adagrad"),
     (dict(second=0), r"second: required for RMSprop, Adagrad, Adadelta"),
     (dict(weight_decay=0.1), r"after: required with a weight decay"),
     (dict(n=-1), r"n must be >= 0"),
-], ids=["kind", "inv_world", "mean_is_target", "target_is_grad", "second", "after", "n"])
+], ids=["kind", "inv_world", "mean_is_target", "target_is_grad", "signal_is_mean", "signal_is_change",
+        "signal_weight", "signal_adagrad", "second", "after", "n"])
 def test_native_tracked_step_checks_its_arguments(change, pattern):
     """The native entry point checks what gradshare.ops checks before it, for callers that reach it directly."""
     from gradshare import _native
     if _native._C is None:
         pytest.skip("no native library")
-    t = {k: torch.rand(N) for k in ("grad", "change", "second", "mean", "target")}
+    t = {k: torch.rand(N) for k in ("grad", "change", "second", "mean", "target", "extra", "signal")}
     args = dict(kind=0, grad=t["grad"].data_ptr(), change=t["change"].data_ptr(), after=0,
-                second=t["second"].data_ptr(), grad_avg=0, mean=t["mean"].data_ptr(), extra=0,
+                second=t["second"].data_ptr(), grad_avg=0, mean=t["mean"].data_ptr(), extra=0, signal=0,
                 target=t["target"].data_ptr(), n=N, world=2.0, inv_world=0.5, grad_sign=1.0, weight_decay=0.0,
                 decay=0.0, mean_weight=0.1, mean_bias=0.5, offset=0.0, scale=1.0, count=1.0, eps=1e-8, momentum=0.0,
-                lr=0.0, square_weight=0.0, square_bias=1.0, sign=1.0, cuda=False, stream=0)
+                lr=0.0, square_weight=0.0, square_bias=1.0, sign=1.0, signal_weight=0.0, signal_bias=1.0, cuda=False,
+                stream=0)
     for k, v in change.items():
-        args[k] = args[v] if isinstance(v, str) else v
+        args[k] = (args[v] or t[v].data_ptr()) if isinstance(v, str) else v
     before = {k: x.clone() for k, x in t.items()}
     with pytest.raises(ValueError, match=pattern):
         _native._C.rescale_tracked(**args)

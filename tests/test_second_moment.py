@@ -314,7 +314,11 @@ def _own_mean_reference(cls, kw, world, steps=12):
     else:
         decay = kw.get("alpha", 0.99) if cls is torch.optim.RMSprop else kw.get("rho", 0.9)
         c, k, key = 0.0, 1 - decay ** t, "square_avg"
-        s = (st["grad_avg"].double() / k) ** 2 if kw.get("centered") else means[-1] ** 2
+        # the average of m^2 over the second moment's own window (decay), bias-corrected
+        window = torch.zeros(64, dtype=torch.float64)
+        for x in means:
+            window = decay * window + (1 - decay) * x * x
+        s = (st["grad_avg"].double() / k) ** 2 if kw.get("centered") else window / k
     v_hat = (st[key].double() - c) / k
     s = torch.minimum(s, v_hat)
     vg = c + k * (s + (v_hat - s) / world)
@@ -391,13 +395,14 @@ def test_tracked_excess_matches_float64_reference(cls, kw, shape, world):
             g = g + kw.get("weight_decay", 0.0) * before.double().reshape(-1)
         n = i + 1
         if m is None:
-            m, v = torch.zeros_like(g), torch.zeros_like(g)
+            m, v, window = torch.zeros_like(g), torch.zeros_like(g), torch.zeros_like(g)
         m = 0.9 * m + 0.1 * g
         w = 1 - 0.999 if cls is torch.optim.Adamax else n ** -0.8
         v = (1 - w) * v + w * g * g
         vh = v / (1 - 0.999 ** n) if cls is torch.optim.Adamax else v
         mh = m / (1 - 0.9 ** n)
-        s = torch.minimum(mh * mh, vh)
+        window = (1 - w) * window + w * mh * mh        # m^2 over v's own window, corrected as v is
+        s = torch.minimum(window / (1 - 0.999 ** n) if cls is torch.optim.Adamax else window, vh)
         r = ((s + (vh - s) / world) / vh).sqrt()
         divided = change.double().reshape(-1)
         if decoupled:
@@ -482,28 +487,38 @@ def test_tracked_step_on_float64_parameters_matches_float32(cls, kw, shape, sign
     np.testing.assert_allclose(m64.numpy(), m32.numpy(), rtol=1e-4, atol=1e-7)
 
 
-def test_the_squared_mean_is_averaged_over_the_second_moment_s_window():
-    """v averages over up to 1 / (1 - beta2) steps, m over about 1 / (1 - beta1): where the gradient's mean grew
-    over v's window, this step's m^2 overstates the squared mean that v holds and the estimate of the global
-    batch's v comes out too large (here by a third). GlobalBatchStep averages m^2 with beta2 instead, and its
-    estimate follows the second moment of the mean gradient (what DDP's Adam keeps) within a few percent."""
-    world, n, steps = 2, 4000, 200
+def _growing_mean_run(make, decay, world, steps, n=4000):
+    """``world`` ranks, each its own optimizer (``make``) and GlobalBatchStep, stepping on the mean gradient
+    plus noise, the mean growing over the run. Returns rank 0's (optimizer, GlobalBatchStep) and DDP's second
+    moment with ``decay`` (the exponential average of the mean gradient's square, not bias-corrected)."""
     g = torch.Generator().manual_seed(3)
     direction = torch.randn(n, generator=g).sign()
     params = [torch.nn.Parameter(torch.zeros(n)) for _ in range(world)]
-    opts = [torch.optim.Adam([p], lr=1e-3, betas=(0.9, 0.999)) for p in params]
+    opts = [make([p]) for p in params]
     rescales = [second_moment.GlobalBatchStep(o) for o in opts]
     ddp_v = torch.zeros(n, dtype=torch.float64)
     for t in range(1, steps + 1):
         mean = (0.1 + 0.9 * t / steps) * direction                    # the signal grows over the run
         grads = [mean + torch.randn(n, generator=g) for _ in range(world)]
-        ddp_v.mul_(0.999).add_(0.001 * (sum(grads) / world).double() ** 2)
+        ddp_v.mul_(decay).add_((1 - decay) * (sum(grads) / world).double() ** 2)
         for p, o, r, grad in zip(params, opts, rescales, grads):
             p.grad = grad.clone()
+            before = p.detach().clone()
             o.step()
-            r.apply(p, o.param_groups[0], world, torch.zeros(n))
+            change = before - p.detach()
+            r.apply(p, o.param_groups[0], world, change, change)
+    return opts[0], rescales[0], ddp_v
+
+
+def test_the_squared_mean_is_averaged_over_the_second_moment_s_window():
+    """v averages over up to 1 / (1 - beta2) steps, m over about 1 / (1 - beta1): where the gradient's mean grew
+    over v's window, this step's m^2 overstates the squared mean that v holds and the estimate of the global
+    batch's v comes out too large (here by a third). GlobalBatchStep averages m^2 with beta2 instead, and its
+    estimate follows the second moment of the mean gradient (what DDP's Adam keeps) within a few percent."""
+    world, steps = 2, 200
+    o, r, ddp_v = _growing_mean_run(lambda ps: torch.optim.Adam(ps, lr=1e-3, betas=(0.9, 0.999)), 0.999, world, steps)
     ddp_v /= 1 - 0.999 ** steps
-    p, o, r = params[0], opts[0], rescales[0]
+    p = o.param_groups[0]["params"][0]
     group, st = o.param_groups[0], o.state[p]
     window = second_moment.global_exp_avg_sq(st, group, world, r.squared_mean(p, group)).double() / (1 - 0.999 ** steps)
     this_step = second_moment.global_exp_avg_sq(st, group, world).double() / (1 - 0.999 ** steps)
@@ -517,3 +532,24 @@ def test_the_squared_mean_is_averaged_over_the_second_moment_s_window():
     assert torch.equal(again.squared_mean(p, group), r.squared_mean(p, group))
     with pytest.raises(ValueError, match="its squared_mean in the checkpoint 3"):
         again.load_state_dict({0: {"squared_mean": torch.zeros(3), "squared_mean_steps": 1}})
+
+
+def test_rmsprop_s_squared_mean_is_averaged_over_its_second_moment_s_window():
+    """The same for an optimizer whose mean gradient gradshare keeps: RMSprop's square_avg averages over about
+    1 / (1 - alpha) = 100 steps, gradshare's mean gradient over 10. With m^2 averaged over alpha's window the
+    global batch's square_avg (what the ranks average before all-reduced steps) follows DDP's; with this
+    step's m^2 it comes out too large."""
+    world, steps = 2, 200
+    o, r, ddp_v = _growing_mean_run(lambda ps: torch.optim.RMSprop(ps, lr=1e-3), 0.99, world, steps)
+    p = o.param_groups[0]["params"][0]
+    square_avg = o.state[p]["square_avg"]
+    estimate = next(src for src, dst in r.to_global([p], world) if dst is square_avg).double()
+    assert abs(float((estimate / ddp_v).median()) - 1) < 0.05, float((estimate / ddp_v).median())
+    aux = r._aux[id(p)]
+    kept = aux.pop("squared_mean")                                     # without it: this step's m^2
+    this_step = next(src for src, dst in r.to_global([p], world) if dst is square_avg).double()
+    assert float((this_step / ddp_v).median()) > 1.1, float((this_step / ddp_v).median())
+    aux["squared_mean"] = kept
+    state = r.state_dict()
+    assert {"mean", "count", "squared_mean", "squared_mean_steps"} <= set(state[0])
+    assert state[0]["squared_mean_steps"] == steps

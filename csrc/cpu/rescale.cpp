@@ -45,7 +45,8 @@ Chunk change_form(bool after_is_target) {
 template <int Kind, bool Centered, bool Momentum, bool Decay, int Alias>
 void tracked_chunk(const float* __restrict__ grad, const float* __restrict__ change, const float* __restrict__ after,
                    const float* __restrict__ second, const float* __restrict__ grad_avg, float* __restrict__ mean,
-                   float* __restrict__ extra, float* __restrict__ target, int64_t lo, int64_t hi, const TrackedArgs a) {
+                   float* __restrict__ extra, float* __restrict__ signal, float* __restrict__ target, int64_t lo,
+                   int64_t hi, const TrackedArgs a) {
   const bool own = Kind == kRmsprop || Kind == kAdagrad || Kind == kAdadelta;
   const bool has_extra = Kind == kAdagrad || Kind == kAdamax || Kind == kAdafactor || Momentum;
   for (int64_t i = lo; i < hi; ++i) {
@@ -55,7 +56,8 @@ void tracked_chunk(const float* __restrict__ grad, const float* __restrict__ cha
                                 g, divided);
     float mu = mean[i], x = has_extra ? extra[i] : 0.0f;
     const float e = tracked_excess<Kind, Centered, Momentum>(g, divided, own ? second[i] : 0.0f,
-                                                             Centered ? grad_avg[i] : 0.0f, mu, x, a);
+                                                             Centered ? grad_avg[i] : 0.0f, mu, x,
+                                                             signal == nullptr ? nullptr : signal + i, a);
     mean[i] = mu;
     if (has_extra) extra[i] = x;
     target[i] = apply_excess(t, e, a.sign);
@@ -63,7 +65,7 @@ void tracked_chunk(const float* __restrict__ grad, const float* __restrict__ cha
 }
 
 using TrackedChunk = void (*)(const float*, const float*, const float*, const float*, const float*, float*, float*,
-                              float*, int64_t, int64_t, const TrackedArgs);
+                              float*, float*, int64_t, int64_t, const TrackedArgs);
 
 template <int Kind, bool Centered, bool Momentum, bool Decay>
 TrackedChunk tracked_alias(int alias) {
@@ -121,7 +123,7 @@ void rescale_tracked_cpu(const TrackedTensors& t, int64_t n, const TrackedArgs& 
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t lo = c * kChunk, hi = lo + kChunk < n ? lo + kChunk : n;
     run(t.grad, alias == 1 ? nullptr : t.change, alias == 2 ? nullptr : t.after, t.second, t.grad_avg, t.mean, t.extra,
-        t.target, lo, hi, a);
+        t.signal, t.target, lo, hi, a);
   }
 }
 

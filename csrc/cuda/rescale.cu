@@ -36,7 +36,8 @@ __global__ void __launch_bounds__(kThreads) tracked_kernel(const TrackedTensors 
   tracked_inputs<Kind, Decay>(t.grad[i], t.change[i], Decay ? t.after[i] : 0.0f, a, g, divided);
   float mu = t.mean[i], x = has_extra ? t.extra[i] : 0.0f;
   const float e = tracked_excess<Kind, Centered, Momentum>(g, divided, own ? t.second[i] : 0.0f,
-                                                           Centered ? t.grad_avg[i] : 0.0f, mu, x, a);
+                                                           Centered ? t.grad_avg[i] : 0.0f, mu, x,
+                                                           t.signal == nullptr ? nullptr : t.signal + i, a);
   t.mean[i] = mu;
   if (has_extra) t.extra[i] = x;
   t.target[i] = apply_excess(target, e, a.sign);
@@ -55,9 +56,9 @@ void rescale_tracked_cuda(const TrackedTensors& t, int64_t n, const TrackedArgs&
   check_tracked_args(t, n, a);
   if (n == 0) return;
   cuda::DeviceGuard guard(t.target, "target");
-  const void* inputs[] = {t.grad, t.change, t.after, t.second, t.grad_avg, t.mean, t.extra};
-  const char* names[] = {"grad", "change", "after", "second", "grad_avg", "mean", "extra"};
-  for (int k = 0; k < 7; ++k)
+  const void* inputs[] = {t.grad, t.change, t.after, t.second, t.grad_avg, t.mean, t.extra, t.signal};
+  const char* names[] = {"grad", "change", "after", "second", "grad_avg", "mean", "extra", "signal"};
+  for (int k = 0; k < 8; ++k)
     if (inputs[k] != nullptr) cuda::device_of(inputs[k], names[k]);
   const cudaStream_t s = cuda::as_stream(stream);
   const bool decay = tracked_decay(a), centered = t.grad_avg != nullptr, momentum = tracked_momentum(a);

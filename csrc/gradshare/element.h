@@ -157,11 +157,15 @@ GS_HD float global_second_moment(float s, float v, float world) {
 // The squared mean s of v_global: m^2 of this step alone (signal == nullptr), or the average of m^2 over v's
 // own window (beta2), kept in *signal and updated here. v averages over up to 1 / (1 - beta2) steps and m
 // over about 1 / (1 - beta1): m^2 alone would count how far the mean moved over v's window as noise.
-GS_HD float squared_mean(float m, float* signal, const RescaleArgs& a) {
+// The same rule serves the tracked optimizers (tracked_excess), with their second moment's window.
+GS_HD float squared_mean(float m, float* signal, float weight, float bias) {
   if (signal == nullptr) return m * m;
-  const float s = ema(*signal, m * m, a.signal_weight);
+  const float s = ema(*signal, m * m, weight);
   *signal = s;
-  return s / a.signal_bias;
+  return s / bias;
+}
+GS_HD float squared_mean(float m, float* signal, const RescaleArgs& a) {
+  return squared_mean(m, signal, a.signal_weight, a.signal_bias);
 }
 
 // Adam / AdamW: lr * m * (1 / (sqrt(v_global) + eps) - 1 / (sqrt(v) + eps)), what the rank's step
@@ -218,6 +222,8 @@ struct TrackedArgs {
   float lr = 0.0f;             //   and learning rate
   float square_weight = 0.0f;  // Adamax / Adafactor: gradshare's mean square, the weight on g * g this step
   float square_bias = 1.0f;    //   and its bias correction (Adafactor: 1)
+  float signal_weight = 0.0f;  // the squared mean over the second moment's window (squared_mean): the weight
+  float signal_bias = 1.0f;    //   on this step's m^2 and its bias correction (used only with a signal)
   float sign = 1.0f;           // +1: target += excess (a change); -1: target -= excess (parameters)
 };
 
@@ -240,16 +246,18 @@ GS_HD float own_divisor(float x, float grad_avg, float eps) {
 // One element of a tracked step. g: the gradient the step divided; divided: the part of the step's change
 // it divided; second / grad_avg: the optimizer's second moment and centered RMSprop's mean (own-mean kinds);
 // mean, extra: gradshare's state, updated (extra: Adagrad's running sum of m^2, Adamax's / Adafactor's mean
-// square, RMSprop's momentum of the step's difference). Returns the excess (gradshare/second_moment.py).
+// square, RMSprop's momentum of the step's difference). signal: nullptr (the squared mean is m^2), or the
+// average of m^2 over the second moment's window, updated (not Adagrad's, whose sum of m^2 is that already,
+// nor centered RMSprop's, which subtracts its own mean). Returns the excess (gradshare/second_moment.py).
 template <int Kind, bool Centered, bool Momentum>
 GS_HD float tracked_excess(float g, float divided, float second, float grad_avg, float& mean, float& extra,
-                           const TrackedArgs& a) {
+                           float* signal, const TrackedArgs& a) {
   mean = ema(mean, g, a.mean_weight);
   const float m = mean / a.mean_bias;
   if (Kind == kAdamax || Kind == kAdafactor) {
     extra = ema(extra, g * g, a.square_weight);
     const float v = extra / a.square_bias;
-    const float s = capped(m * m, v);
+    const float s = capped(squared_mean(m, signal, a.signal_weight, a.signal_bias), v);
     // v_global / v >= 1 / W; the floor on v also covers a gradient that was always 0
     const float q = ((v - s) / a.world + s) / (v < kFloatTiny ? kFloatTiny : v);
     const float r = sqrt_rn(q < a.inv_world ? a.inv_world : q);
@@ -263,7 +271,7 @@ GS_HD float tracked_excess(float g, float divided, float second, float grad_avg,
     const float ga = grad_avg / a.scale;
     s = ga * ga;
   } else {
-    s = m * m;
+    s = squared_mean(m, signal, a.signal_weight, a.signal_bias);
   }
   const float v_hat = (second - a.offset) / a.scale;
   s = capped(s, v_hat);

@@ -97,9 +97,10 @@ struct TrackedTensors {
   const float* grad_avg = nullptr;  // centered RMSprop: its mean gradient
   float* mean = nullptr;            // gradshare's mean gradient (updated)
   float* extra = nullptr;           // Adagrad's sum of m^2, Adamax's / Adafactor's mean square, RMSprop's momentum
+  float* signal = nullptr;          // nullptr, or the average of m^2 over the second moment's window (updated)
   float* target = nullptr;          // += (sign -1: -=) the excess
 };
-// target[i] +-= tracked_excess of element i, updating mean and extra.
+// target[i] +-= tracked_excess of element i, updating mean, extra and signal.
 void rescale_tracked_cpu(const TrackedTensors& t, int64_t n, const TrackedArgs& a);
 
 int cpu_threads();
@@ -221,18 +222,27 @@ inline void check_tracked_args(const TrackedTensors& t, int64_t n, const Tracked
     if (t.extra == nullptr && (a.kind != kRmsprop || tracked_momentum(a)) && a.kind != kAdadelta)
       throw std::invalid_argument("extra: required for Adagrad, Adamax, Adafactor and RMSprop with momentum");
     if (tracked_decay(a) && t.after == nullptr) throw std::invalid_argument("after: required with a weight decay");
-    const void* rw[] = {t.mean, t.extra, t.target};
+    const void* rw[] = {t.mean, t.extra, t.signal, t.target};
     const void* ro[] = {t.grad, t.second, t.grad_avg};
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < 4; ++i) {
       for (int j = 0; j < 3; ++j)
-        if (rw[i] != nullptr && rw[i] == ro[j]) throw std::invalid_argument("mean, extra and target: written, so "
-                                                                            "they cannot be grad, second or grad_avg");
-      for (int j = i + 1; j < 3; ++j)
-        if (rw[i] != nullptr && rw[i] == rw[j]) throw std::invalid_argument("mean, extra and target must be distinct");
+        if (rw[i] != nullptr && rw[i] == ro[j])
+          throw std::invalid_argument("mean, extra, signal and target: written, so they cannot be grad, second or "
+                                      "grad_avg");
+      for (int j = i + 1; j < 4; ++j)
+        if (rw[i] != nullptr && rw[i] == rw[j])
+          throw std::invalid_argument("mean, extra, signal and target must be distinct");
     }
-    if (t.mean == t.change || t.mean == t.after || (t.extra != nullptr && (t.extra == t.change || t.extra == t.after)))
-      throw std::invalid_argument("mean and extra cannot be change or after");
+    for (int i = 0; i < 3; ++i)
+      if (rw[i] != nullptr && (rw[i] == t.change || rw[i] == t.after))
+        throw std::invalid_argument("mean, extra and signal cannot be change or after");
   }
+  if (t.signal != nullptr && (a.kind == kAdagrad || t.grad_avg != nullptr))
+    throw std::invalid_argument("signal: not for Adagrad (its sum of m^2 spans its window) or centered RMSprop "
+                                "(it subtracts its own mean)");
+  if (t.signal != nullptr && (!(a.signal_weight > 0.0f && a.signal_weight <= 1.0f) ||
+                              !(a.signal_bias > 0.0f && a.signal_bias <= 1.0f)))
+    throw std::invalid_argument("signal_weight and signal_bias must lie in (0, 1]");
   if (t.grad_avg != nullptr && a.kind != kRmsprop) throw std::invalid_argument("grad_avg: only for RMSprop");
   if (a.momentum != 0.0f && a.kind != kRmsprop) throw std::invalid_argument("momentum: only for RMSprop");
   if (a.kind == kAdafactor ? a.weight_decay != 0.0f : a.decay != 0.0f)

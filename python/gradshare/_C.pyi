@@ -41,12 +41,14 @@ def rescale(exp_avg: int, exp_avg_sq: int, change: int, after: int, signal: int,
     updated with signal_weight and read divided by signal_bias."""
 
 def rescale_tracked(kind: int, grad: int, change: int, after: int, second: int, grad_avg: int, mean: int, extra: int,
-                    target: int, n: int, world: float, inv_world: float, grad_sign: float, weight_decay: float,
-                    decay: float, mean_weight: float, mean_bias: float, offset: float, scale: float, count: float,
-                    eps: float, momentum: float, lr: float, square_weight: float, square_bias: float, sign: float,
-                    cuda: bool, stream: int) -> None:
+                    signal: int, target: int, n: int, world: float, inv_world: float, grad_sign: float,
+                    weight_decay: float, decay: float, mean_weight: float, mean_bias: float, offset: float,
+                    scale: float, count: float, eps: float, momentum: float, lr: float, square_weight: float,
+                    square_bias: float, sign: float, signal_weight: float, signal_bias: float, cuda: bool,
+                    stream: int) -> None:
     """target += sign * the excess of the global batch's step for an optimizer whose mean gradient gradshare
-    keeps (kind: 0 RMSprop, 1 Adagrad, 2 Adadelta, 3 Adamax, 4 Adafactor); updates mean and extra."""
+    keeps (kind: 0 RMSprop, 1 Adagrad, 2 Adadelta, 3 Adamax, 4 Adafactor); updates mean and extra, and signal
+    (0: none), the average of m^2 over the second moment's window (signal_weight, read over signal_bias)."""
 
 def build_info() -> Dict[str, Union[bool, int, str]]: ...
 def cpu_threads() -> int: ...

@@ -94,12 +94,12 @@ def rescale(exp_avg, exp_avg_sq, change, after, signal, target, bias1, bias2, wo
                _stream(target))
 
 
-def rescale_tracked(kind, grad, change, after, second, grad_avg, mean, extra, target, scalars) -> None:
-    """target +-= the tracked step's excess, mean and extra updated (csrc/gradshare/element.h: tracked_excess);
+def rescale_tracked(kind, grad, change, after, second, grad_avg, mean, extra, signal, target, scalars) -> None:
+    """target +-= the tracked step's excess, mean, extra and signal updated (csrc/gradshare/element.h: tracked_excess);
     tensors may be None (0), ``scalars`` the floats of gs::TrackedArgs in their order."""
     addr = (lambda t: 0 if t is None else t.data_ptr())
     _C.rescale_tracked(kind, grad.data_ptr(), change.data_ptr(), addr(after), addr(second), addr(grad_avg),
-                       mean.data_ptr(), addr(extra), target.data_ptr(), target.numel(), *scalars, target.is_cuda,
+                       mean.data_ptr(), addr(extra), addr(signal), target.data_ptr(), target.numel(), *scalars, target.is_cuda,
                        _stream(target))
 
 

@@ -305,29 +305,31 @@ def _(exp_avg, exp_avg_sq, target, change, after, signal, bias1, bias2, world, e
 
 # gs::TrackedArgs's floats in the order the native call takes them (after the kind)
 TRACKED_SCALARS = ("world", "inv_world", "grad_sign", "weight_decay", "decay", "mean_weight", "mean_bias", "offset",
-                   "scale", "count", "eps", "momentum", "lr", "square_weight", "square_bias", "sign")
+                   "scale", "count", "eps", "momentum", "lr", "square_weight", "square_bias", "sign", "signal_weight",
+                   "signal_bias")
 
 
 def _global_batch_step_tracked_impl(grad: torch.Tensor, change: torch.Tensor, after: Optional[torch.Tensor],
                                     second: Optional[torch.Tensor], grad_avg: Optional[torch.Tensor],
-                                    mean: torch.Tensor, extra: Optional[torch.Tensor], target: torch.Tensor, kind: int,
-                                    scalars: List[float]) -> None:
+                                    mean: torch.Tensor, extra: Optional[torch.Tensor], signal: Optional[torch.Tensor],
+                                    target: torch.Tensor, kind: int, scalars: List[float]) -> None:
     if _native.available():
-        _native.rescale_tracked(kind, grad, change, after, second, grad_avg, mean, extra, target, scalars)
+        _native.rescale_tracked(kind, grad, change, after, second, grad_avg, mean, extra, signal, target, scalars)
     else:
         kw = dict(zip(TRACKED_SCALARS, scalars))
         del kw["inv_world"]                            # the reference takes 1 / world itself
         reference.global_batch_step_tracked(grad, change, mean, target, kind=reference.TRACKED_KINDS[kind],
                                             after=after, second=second, grad_avg=grad_avg, extra=extra,
-                                            maximize=kw.pop("grad_sign") < 0, **kw)
+                                            signal=signal, maximize=kw.pop("grad_sign") < 0, **kw)
 
 
 _global_batch_step_tracked_op = torch.library.custom_op(
-    "gradshare::global_batch_step_tracked", _global_batch_step_tracked_impl, mutates_args=("mean", "extra", "target"))
+    "gradshare::global_batch_step_tracked", _global_batch_step_tracked_impl,
+    mutates_args=("mean", "extra", "signal", "target"))
 
 
 @_global_batch_step_tracked_op.register_fake
-def _(grad, change, after, second, grad_avg, mean, extra, target, kind, scalars):
+def _(grad, change, after, second, grad_avg, mean, extra, signal, target, kind, scalars):
     return None
 
 
@@ -717,10 +719,11 @@ def global_batch_step_tracked(grad: ArrayLike, change: ArrayLike, mean: ArrayLik
                               mean_weight: float = 0.1, mean_bias: float = 1.0, offset: float = 0.0,
                               scale: float = 1.0, count: float = 1.0, eps: float = 0.0, momentum: float = 0.0,
                               lr: float = 0.0, square_weight: float = 0.0, square_bias: float = 1.0,
+                              signal: Optional[ArrayLike] = None, signal_weight: float = 0.0, signal_bias: float = 1.0,
                               sign: float = 1.0) -> None:
     """Adds to ``target`` (``sign`` -1: subtracts) how far a rank's step of an optimizer whose mean gradient
     gradshare keeps falls short of the step on the global batch of ``world`` ranks (gradshare.second_moment),
-    in one pass over memory; ``mean`` and ``extra`` (gradshare's state) are updated.
+    in one pass over memory; ``mean``, ``extra`` and ``signal`` (gradshare's state) are updated.
 
     ``kind``: "rmsprop", "adagrad", "adadelta" (divided by their own second moment ``second``, which reads
     offset + scale * v_hat; centered RMSprop also by ``grad_avg``), "adamax", "adafactor" (divided by r =
@@ -729,15 +732,18 @@ def global_batch_step_tracked(grad: ArrayLike, change: ArrayLike, mean: ArrayLik
     (``after`` + change; Adafactor's ``decay``, lr * its weight decay, is the change's undivided part instead);
     ``mean`` += (g - mean) * ``mean_weight``, m = mean / ``mean_bias``. ``extra``: Adagrad's running sum of m^2
     (its mean over ``count`` steps), RMSprop's momentum of the step's difference (with ``momentum`` and
-    ``lr``), Adamax's and Adafactor's mean square. All float32, contiguous, of one size and device;
+    ``lr``), Adamax's and Adafactor's mean square. ``signal``: None (the squared mean of v_global is this
+    step's m^2) or the average of m^2 over the second moment's window, ``signal`` += (m^2 - ``signal``) *
+    ``signal_weight``, read divided by ``signal_bias`` (not for Adagrad, whose running sum of m^2 is that
+    already, nor centered RMSprop, which subtracts its own mean). All float32, contiguous, of one size and device;
     ``target`` may be ``change`` or ``after`` itself, and overlaps nothing else. Bit for bit as
     gradshare.reference.global_batch_step_tracked.
     """
     if kind not in reference.TRACKED_KINDS:
         raise ValueError(f"kind: one of {', '.join(reference.TRACKED_KINDS)}, got {kind!r}")
-    written = ("mean", "target", "extra")
+    written = ("mean", "target", "extra", "signal")
     ts = _float32_operands(dict(grad=grad, change=change, mean=mean, target=target, second=second, grad_avg=grad_avg,
-                                extra=extra, after=after), written)
+                                extra=extra, after=after, signal=signal), written)
     tgt = ts["target"]
     own = kind in ("rmsprop", "adagrad", "adadelta")
     if own and second is None:
@@ -752,19 +758,22 @@ def global_batch_step_tracked(grad: ArrayLike, change: ArrayLike, mean: ArrayLik
     if needs_extra != (extra is not None):
         raise ValueError(f"extra: {'required' if needs_extra else 'not read'} for {kind}"
                          + (" with momentum" if kind == "rmsprop" and needs_extra else ""))
+    if signal is not None and (kind == "adagrad" or grad_avg is not None):
+        raise ValueError("signal: not for " + ("Adagrad (its running sum of m^2 spans its window)" if kind == "adagrad"
+                                               else "centered RMSprop (it subtracts its own mean, grad_avg)"))
     if kind == "adafactor" and weight_decay != 0.0:
         raise ValueError("weight_decay: Adafactor's is decoupled; pass lr * weight_decay as decay")
     if kind != "adafactor" and decay != 0.0:
         raise ValueError(f"decay: only Adafactor's weight decay is decoupled; {kind}'s is weight_decay")
     if (decay if kind == "adafactor" else weight_decay) != 0.0 and after is None:
         raise ValueError("after: required with a weight decay (the parameters before the step are after + change)")
-    for n in ("grad", "second", "grad_avg", "mean", "extra"):
+    for n in ("grad", "second", "grad_avg", "mean", "extra", "signal"):
         for w in written:
             if n != w and n in ts and w in ts and _overlap(ts[n], ts[w]):
                 raise ValueError(f"{w}: overlaps {n}" + ("; it is only read" if n not in written else ""))
     for n in ("change", "after"):
         if n in ts:
-            for w in ("mean", "extra"):
+            for w in ("mean", "extra", "signal"):
                 if w in ts and _overlap(ts[n], ts[w]):
                     raise ValueError(f"{w}: overlaps {n}")
             if _overlap(tgt, ts[n]) and tgt.data_ptr() != ts[n].data_ptr():
@@ -776,13 +785,17 @@ def global_batch_step_tracked(grad: ArrayLike, change: ArrayLike, mean: ArrayLik
     values = dict(world=float(world), inv_world=1.0 / float(world), grad_sign=-1.0 if maximize else 1.0,
                   weight_decay=weight_decay, decay=decay, mean_weight=mean_weight, mean_bias=mean_bias, offset=offset,
                   scale=scale, count=count, eps=eps, momentum=momentum, lr=lr, square_weight=square_weight,
-                  square_bias=square_bias, sign=sign)
+                  square_bias=square_bias, sign=sign, signal_weight=signal_weight, signal_bias=signal_bias)
     for n, x in values.items():
         if not math.isfinite(float(x)):
             raise ValueError(f"{n}: must be finite, got {x}")
     for n in ("mean_weight", "mean_bias", "square_bias"):
         if not 0.0 < float(values[n]) <= 1.0:
             raise ValueError(f"{n}: must lie in (0, 1], got {values[n]}")
+    if signal is not None:
+        for n in ("signal_weight", "signal_bias"):
+            if not 0.0 < float(values[n]) <= 1.0:
+                raise ValueError(f"{n}: must lie in (0, 1] with a signal, got {values[n]}")
     if not 0.0 <= float(square_weight) <= 1.0:
         raise ValueError(f"square_weight: must lie in [0, 1], got {square_weight}")
     if float(scale) <= 0.0:
@@ -795,5 +808,6 @@ def global_batch_step_tracked(grad: ArrayLike, change: ArrayLike, mean: ArrayLik
         raise ValueError(f"sign: +1 (add) or -1 (subtract), got {sign}")
     flat = {n: t.view(-1) for n, t in ts.items()}
     _run(_global_batch_step_tracked_op, _global_batch_step_tracked_impl, flat["grad"], flat["change"],
-         flat.get("after"), flat.get("second"), flat.get("grad_avg"), flat["mean"], flat.get("extra"), flat["target"],
+         flat.get("after"), flat.get("second"), flat.get("grad_avg"), flat["mean"], flat.get("extra"), flat.get("signal"),
+         flat["target"],
          reference.TRACKED_KINDS.index(kind), [float(values[n]) for n in TRACKED_SCALARS])

@@ -532,9 +532,10 @@ def global_batch_step_tracked(grad: torch.Tensor, change: torch.Tensor, mean: to
                               decay: float = 0.0, mean_weight: float = 0.1, mean_bias: float = 1.0, offset: float = 0.0,
                               scale: float = 1.0, count: float = 1.0, eps: float = 0.0, momentum: float = 0.0,
                               lr: float = 0.0, square_weight: float = 0.0, square_bias: float = 1.0,
-                              sign: float = 1.0) -> None:
+                              signal: Optional[torch.Tensor] = None, signal_weight: float = 1.0,
+                              signal_bias: float = 1.0, sign: float = 1.0) -> None:
     """target +-= the excess of the global batch's step over a rank's own for an optimizer whose mean gradient
-    gradshare keeps, ``mean`` and ``extra`` (float32) updated in place (csrc/gradshare/element.h:
+    gradshare keeps, ``mean``, ``extra`` and ``signal`` (float32) updated in place (csrc/gradshare/element.h:
     tracked_inputs and tracked_excess), in float32 torch ops; the keywords of gradshare.ops.global_batch_step_tracked."""
     flat = lambda t: None if t is None else t.float().reshape(-1).clone()
     ch, ga = flat(change), flat(grad_avg)
@@ -550,9 +551,10 @@ def global_batch_step_tracked(grad: torch.Tensor, change: torch.Tensor, mean: to
     mean_f = mean.view(-1)
     m = ema_(mean_f, g, mean_weight) / mean_bias
     extra_f = None if extra is None else extra.view(-1)
+    m2 = m * m if signal is None else ema_(signal.view(-1), m * m, signal_weight) / signal_bias
     if kind in ("adamax", "adafactor"):
         v = ema_(extra_f, g * g, square_weight) / square_bias
-        s = _capped(m * m, v)
+        s = _capped(m2, v)
         q = ((v - s) / world + s) / torch.where(v < FLOAT_TINY, FLOAT_TINY, v)
         r = sqrt_rn(torch.where(q < inv_world, inv_world, q))
         excess = divided * torch.reciprocal(r).sub_(1.0)
@@ -563,7 +565,7 @@ def global_batch_step_tracked(grad: torch.Tensor, change: torch.Tensor, mean: to
             s = ga / scale
             s = s * s
         else:
-            s = m * m
+            s = m2
         sec = flat(second)
         v_hat = (sec - offset) / scale
         s = _capped(s, v_hat)

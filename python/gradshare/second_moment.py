@@ -45,9 +45,10 @@ RMSprop, Adagrad and Adadelta divide by a second moment too but keep no mean gra
 noise, so :class:`GlobalBatchStep` keeps one per parameter for them: an exponential average of the gradient
 the optimizer saw (weight decay included) with Adam's default beta1 = 0.9, bias-corrected, m. With v their
 own second moment in bias-corrected form (RMSprop's and Adadelta's ``square_avg`` / (1 - rho^t), Adagrad's
-``sum`` less its initial value, / t) and s the squared mean (m^2; for Adagrad, whose sum never forgets, the
-mean of m^2 over its steps; centered RMSprop's own ``grad_avg``, bias-corrected, squared, since that is what
-it subtracts), capped at v, v_global = s + (v - s) / W, converted back to the optimizer's units. The
+``sum`` less its initial value, / t) and s the squared mean (as for Adam, the average of m^2 over v's own
+window: RMSprop's alpha, Adadelta's rho; for Adagrad, whose sum never forgets, the mean of m^2 over its steps;
+centered RMSprop's own ``grad_avg``, bias-corrected, squared, since that is what it subtracts), capped at v,
+v_global = s + (v - s) / W, converted back to the optimizer's units. The
 step then divides by v_global where the optimizer divided by v: sqrt(v) + eps (RMSprop; centered:
 sqrt(v - grad_avg^2) + eps), sqrt(sum) + eps (Adagrad), sqrt(v + eps) (Adadelta, whose numerator, the
 running size of its own steps, is left as it is). RMSprop's momentum buffer accumulates the step's divided
@@ -57,8 +58,9 @@ into the optimizer's buffer when the ranks go over to all-reduced gradients.
 Adamax (an infinity norm, not a mean square) and Adafactor (a factored estimate of it) divide by what
 :class:`GlobalBatchStep` cannot convert element by element, so it keeps both moments itself: the mean m as
 above and the mean square v of the gradient (Adamax's beta2, bias-corrected; Adafactor's own decay schedule,
-1 - beta2_t = t^-0.8). The part of the step they divided (all but Adafactor's decoupled weight decay) is
-divided by r = sqrt(v_global / v), with v_global from m and v as above: the global batch's divisor is about
+1 - beta2_t = t^-0.8), and s, the average of m^2 over that same window. The part of the step they divided
+(all but Adafactor's decoupled weight decay) is divided by r = sqrt(v_global / v), with v_global from s and v
+as above: the global batch's divisor is about
 r times the rank's (for Adamax's running maximum of |g| as for a root mean square, noise scales it alike).
 Those moments follow the rank's own gradients only, so an all-reduced phase leaves r as it was, and the
 switch to it and back multiplies and divides the optimizer's state by the same r (Adamax's ``exp_inf``;
@@ -75,7 +77,7 @@ the exchange changes path, are torch ops here.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
@@ -147,10 +149,52 @@ def _gradient(p: torch.Tensor, group: Dict[str, Any], before: torch.Tensor) -> O
     return g
 
 
-def _observe(kind: str, aux: Dict[str, Any], g: torch.Tensor) -> None:
+def _window(kind: str, group: Dict[str, Any]) -> Optional[Callable[[int], Tuple[float, float]]]:
+    """k -> (weight, bias correction) of the k-th step of an exponential average over the window of the second
+    moment that ``kind``'s step divides by (the optimizer's beta2, alpha or rho; Adafactor's own schedule,
+    1 - beta2_k = k^-0.8, needs no correction); None for Adagrad, whose running sum of m^2 spans its window."""
+    if kind == "adafactor":
+        decay = float(group.get("beta2_decay", -0.8))
+        return lambda k: (float(k) ** decay, 1.0)
+    beta = {"adam": lambda: group["betas"][1], "nadam": lambda: group["betas"][1], "radam": lambda: group["betas"][1],
+            "adamax": lambda: group["betas"][1], "rmsprop": lambda: group["alpha"],
+            "adadelta": lambda: group["rho"]}.get(kind)
+    if beta is None:
+        return None
+    b = float(beta())
+    return lambda k: (1.0 - b, 1.0 - b ** k)
+
+
+def _keeps_squared_mean(kind: str, group: Dict[str, Any], state: Dict[str, Any]) -> bool:
+    """Whether the squared mean is averaged over the second moment's window (module docstring): every kind but
+    Adagrad (its sum of m^2 does that) and centered RMSprop (it subtracts its own mean, ``grad_avg``)."""
+    return kind != "adagrad" and not (kind == "rmsprop" and group.get("centered") and state.get("grad_avg") is not None)
+
+
+def _with_squared_mean(args: Dict[str, Any], kind: str, group: Dict[str, Any], p: torch.Tensor,
+                       aux: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """``args`` with the average of m^2 over the second moment's window that ``aux`` keeps (module docstring:
+    the squared mean), counting this step; as they are without ``aux``."""
+    if aux is None:
+        return args
+    if aux.get("squared_mean") is None:
+        aux.update(squared_mean=torch.zeros(p.numel(), dtype=torch.float32, device=p.device), squared_mean_steps=0)
+    aux["squared_mean_steps"] += 1
+    weight, bias = _window(kind, group)(aux["squared_mean_steps"])
+    return dict(args, signal=aux["squared_mean"], signal_weight=weight, signal_bias=bias)
+
+
+def _squared_mean(kind: str, group: Dict[str, Any], aux: Optional[Dict[str, Any]]) -> Optional[torch.Tensor]:
+    """The bias-corrected squared mean ``aux`` keeps (a new tensor); None where it keeps none."""
+    if not aux or aux.get("squared_mean") is None or not aux.get("squared_mean_steps"):
+        return None
+    return aux["squared_mean"] / _window(kind, group)(aux["squared_mean_steps"])[1]
+
+
+def _observe(kind: str, group: Dict[str, Any], state: Dict[str, Any], aux: Dict[str, Any], g: torch.Tensor) -> None:
     """GlobalBatchStep's moments of an RMSprop / Adagrad / Adadelta parameter after a step on the all-reduced
-    gradient ``g``: the mean gradient, and Adagrad's running sum of its square, as the native step updates
-    them (gradshare.reference.global_batch_step_tracked)."""
+    gradient ``g``: the mean gradient, Adagrad's running sum of its square or the others' squared mean over
+    their second moment's window, as the native step updates them (gradshare.reference.global_batch_step_tracked)."""
     if aux.get("mean") is None:
         aux.update(mean=torch.zeros_like(g), count=0)
         if kind == "adagrad":
@@ -159,6 +203,9 @@ def _observe(kind: str, aux: Dict[str, Any], g: torch.Tensor) -> None:
     m = reference.ema_(aux["mean"], g, 1.0 - MEAN_BETA) / (1.0 - MEAN_BETA ** aux["count"])
     if kind == "adagrad":
         aux["signal"].add_(m * m)
+    elif _keeps_squared_mean(kind, group, state):
+        args = _with_squared_mean({}, kind, group, g, aux)
+        reference.ema_(args["signal"], m * m, args["signal_weight"])
 
 
 def _own_units(kind: str, state: Dict[str, Any], group: Dict[str, Any]) -> Optional[Tuple[torch.Tensor, float, float]]:
@@ -174,8 +221,8 @@ def _own_units(kind: str, state: Dict[str, Any], group: Dict[str, Any]) -> Optio
     return v.float().reshape(-1), 0.0, 1.0 - decay ** t
 
 
-def _own_global(kind: str, state: Dict[str, Any], units: Tuple[torch.Tensor, float, float], aux: Dict[str, Any],
-                factor: float) -> torch.Tensor:
+def _own_global(kind: str, group: Dict[str, Any], state: Dict[str, Any], units: Tuple[torch.Tensor, float, float],
+                aux: Dict[str, Any], factor: float) -> torch.Tensor:
     """v's variance part times ``factor`` (1/W: the global batch's), in the optimizer's units: c + k * (s +
     (v_hat - s) * factor) with s the squared mean gradient (module docstring) capped at v_hat, so that the
     global batch's second moment is never above the rank's own (and W undoes 1/W exactly)."""
@@ -187,8 +234,10 @@ def _own_global(kind: str, state: Dict[str, Any], units: Tuple[torch.Tensor, flo
         s = state["grad_avg"].float().reshape(-1) / k
         s = s * s
     else:
-        m = aux["mean"] / (1.0 - MEAN_BETA ** n)
-        s = m * m
+        s = _squared_mean(kind, group, aux)
+        if s is None:
+            m = aux["mean"] / (1.0 - MEAN_BETA ** n)
+            s = m * m
     v_hat = torch.sub(v, c).div_(k)
     s = s.clamp_(max=v_hat)             # min(s, v_hat), in place (torch.minimum is several times slower on CPU)
     return v_hat.sub_(s).mul_(factor).add_(s).mul_(k).add_(c)
@@ -199,8 +248,11 @@ def _tracked_ratio(kind: str, group: Dict[str, Any], aux: Dict[str, Any], world:
     docstring): 1 where the mean dominates, down to 1 / sqrt(W) where noise does."""
     n = aux["count"]
     v = aux["square"] / (1.0 - float(group["betas"][1]) ** n) if kind == "adamax" else aux["square"]
-    m = aux["mean"] / (1.0 - MEAN_BETA ** n)
-    s = torch.mul(m, m).clamp_(max=v)
+    s = _squared_mean(kind, group, aux)
+    if s is None:
+        m = aux["mean"] / (1.0 - MEAN_BETA ** n)
+        s = torch.mul(m, m)
+    s = s.clamp_(max=v)
     # v_global / v >= 1 / W; the bound also covers v = 0 (a gradient that was always 0: nothing to divide)
     ratio = torch.sub(v, s).div_(world).add_(s).div_(v.clamp_min(torch.finfo(torch.float32).tiny))
     return ratio.clamp_min_(1.0 / world).sqrt_()
@@ -253,7 +305,7 @@ def _tracked_args(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any],
         args.update(extra=aux["square"],
                     square_weight=1.0 - b2 if kind == "adamax" else float(n) ** float(group.get("beta2_decay", -0.8)),
                     square_bias=1.0 - b2 ** n if kind == "adamax" else 1.0)
-    return args
+    return _with_squared_mean(args, kind, group, p, aux) if _keeps_squared_mean(kind, group, state) else args
 
 
 def _apply_tracked(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], world: int, kind: str,
@@ -265,7 +317,7 @@ def _apply_tracked(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]
     if args is None:
         return False
     change = change.detach().reshape(-1)
-    tensors = [target, change] + [args[k] for k in ("grad", "second", "grad_avg", "after") if k in args]
+    tensors = [target, change] + [args[k] for k in ("grad", "second", "grad_avg", "after", "signal") if k in args]
     if all(x.dtype == torch.float32 and x.is_contiguous() and x.device == target.device for x in tensors):
         ops.global_batch_step_tracked(change=change, target=target.view(-1), sign=sign, **args)
         return True
@@ -320,7 +372,7 @@ def _adam_family_args(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, A
     args = dict(exp_avg=m.detach().reshape(-1), exp_avg_sq=v.detach().reshape(-1), bias1=1.0 - b1 ** t,
                 bias2=1.0 - b2 ** t, world=world, eps=eps)
     if kind == "adam":
-        return _with_squared_mean(dict(args, lr=lr), p, b2, aux)
+        return _with_squared_mean(dict(args, lr=lr), kind, group, p, aux)
     if change is None:
         raise ValueError(f"second moment: a {kind} step is rescaled from its change; none was given")
     if kind == "radam":
@@ -332,20 +384,7 @@ def _adam_family_args(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, A
     wd = float(group.get("weight_decay", 0.0))
     if wd and group.get("decoupled_weight_decay", False):           # p *= 1 - lr * wd came first, undivided
         args.update(after=p.detach().reshape(-1), decay=lr * wd)
-    return _with_squared_mean(args, p, b2, aux)
-
-
-def _with_squared_mean(args: Dict[str, Any], p: torch.Tensor, b2: float,
-                       aux: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    """``args`` with the average of m^2 over v's window (beta2) that ``aux`` keeps, counting this step
-    (module docstring: the squared mean); as they are without ``aux``."""
-    if aux is None:
-        return args
-    if aux.get("squared_mean") is None:
-        aux.update(squared_mean=torch.zeros(p.numel(), dtype=torch.float32, device=p.device), squared_mean_steps=0)
-    aux["squared_mean_steps"] += 1
-    return dict(args, signal=aux["squared_mean"], signal_weight=1.0 - b2,
-                signal_bias=1.0 - b2 ** aux["squared_mean_steps"])
+    return _with_squared_mean(args, kind, group, p, aux)
 
 
 def _apply_adam_family(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], world: int, kind: str,
@@ -437,10 +476,10 @@ def to_own(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], wor
 
 
 class GlobalBatchStep:
-    """This module's rule for one optimizer, and the state it keeps: per parameter, for Adam, AdamW, NAdam and
-    RAdam the average of m^2 over v's window; for RMSprop, Adagrad, Adadelta, Adamax and Adafactor the mean
-    gradient (and Adagrad's running sum of its square, RMSprop's momentum of the step's difference, Adamax's
-    and Adafactor's mean square). Each rank keeps its own; the sharing fronts hold one and save it in their
+    """This module's rule for one optimizer, and the state it keeps: per parameter, the average of m^2 over
+    the second moment's window (all but Adagrad and centered RMSprop); for RMSprop, Adagrad, Adadelta, Adamax
+    and Adafactor also the mean gradient (and Adagrad's running sum of its square, RMSprop's momentum of the
+    step's difference, Adamax's and Adafactor's mean square). Each rank keeps its own; the sharing fronts hold one and save it in their
     checkpoints."""
 
     def __init__(self, optimizer: Optional[torch.optim.Optimizer]):
@@ -454,10 +493,7 @@ class GlobalBatchStep:
     def squared_mean(self, p: torch.Tensor, group: Dict[str, Any]) -> Optional[torch.Tensor]:
         """Adam family: the bias-corrected average of m^2 over v's window that this object keeps for ``p``
         (flat float32, a copy); None before its first step here, or for other optimizers."""
-        aux = self._aux.get(id(p)) if self.kind in ADAM_FAMILY else None
-        if not aux or aux.get("squared_mean") is None:
-            return None
-        return aux["squared_mean"] / (1.0 - float(group["betas"][1]) ** aux["squared_mean_steps"])
+        return _squared_mean(self.kind, group, self._aux.get(id(p))) if self.kind in ADAM_FAMILY else None
 
     def excess(self, p: torch.Tensor, group: Dict[str, Any], world: int,
                change: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
@@ -493,7 +529,7 @@ class GlobalBatchStep:
         for p in params:
             g = _gradient(p, groups[id(p)], p)
             if g is not None:
-                _observe(self.kind, self._entry(p), g)
+                _observe(self.kind, groups[id(p)], self.optimizer.state.get(p, {}), self._entry(p), g)
 
     def _converted(self, p: torch.Tensor, group: Dict[str, Any], world: int, inverse: bool) -> Dict[str, torch.Tensor]:
         """The state of ``p`` that :meth:`to_global` replaces (``inverse``: :meth:`to_own`), key -> new value in
@@ -510,7 +546,7 @@ class GlobalBatchStep:
             if units is None:
                 return {}
             key = OWN_MEAN[self.kind]
-            return {key: _own_global(self.kind, st, units, aux, float(world) if inverse else 1.0 / world)
+            return {key: _own_global(self.kind, group, st, units, aux, float(world) if inverse else 1.0 / world)
                     .view_as(st[key]).to(st[key].dtype)}
         r = _tracked_ratio(self.kind, group, aux, world)
         if self.kind == "adamax":
