@@ -19,7 +19,7 @@ import gradshare
 from gradshare import LinkAware, SharedOptimizer, ThresholdState, TopK, threshold_hook, verify_replicas
 from gradshare.link import ALLREDUCE, COMPRESSED
 from gradshare.workers import run_local
-from tiny_model import batch as _batch, flat as _flat, net as _net, restore, scaled_steps, snapshot
+from tiny_model import batch as _batch, flat as _flat, net as _net, net_with_temperature, restore, scaled_steps, snapshot
 
 
 class FakeClock:
@@ -311,8 +311,9 @@ def test_defaults_turn_it_on_only_where_it_applies():
 def _setup(front, optimizer, costs, compression=None, nonfinite="raise", on_allreduce=False):
     """A model and its sharing over two ranks, the link timed by a FakeClock; ``on_allreduce``: starting on the
     all-reduce, as a run resumed after choosing it does (a fresh one measures compression first)."""
-    model = _net()
+    model = net_with_temperature() if optimizer == "adamw_0dim" else _net()
     inner = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+             "adamw_0dim": lambda ps: torch.optim.AdamW(ps, lr=1e-2),     # a 0-dim parameter: 0-dim moments
              "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),   # factored (row, column) moments
              # gradshare keeps its mean gradient and a momentum of the rescaling (second_moment.GlobalBatchStep)
              "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9),
@@ -346,7 +347,9 @@ def _train(net, opt, steps, start=0, modes=None, sharing=None):
 
 
 def _states(inner):
-    return [t.clone() for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+    """Every floating state tensor but the step counters (a 0-dim parameter's moments included)."""
+    return [t.clone() for s in inner.state.values() for k, t in s.items()
+            if torch.is_tensor(t) and t.is_floating_point() and k != "step"]
 
 
 def _agree_and_switch(front, optimizer):
@@ -376,7 +379,7 @@ def _agree_and_switch(front, optimizer):
 
 
 @pytest.mark.parametrize("front", ["hook", "optimizer"])
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "rmsprop"] +
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "adamw_0dim", "rmsprop"] +
                          (["adafactor"] if hasattr(torch.optim, "Adafactor") else []))
 def test_ranks_agree_and_switching_keeps_replicas_and_states_equal(front, optimizer):
     a, b = run_local(_agree_and_switch, 2, args=(front, optimizer), timeout=180)

@@ -10,6 +10,22 @@ def net():
     return nn.Sequential(nn.Linear(20, 48), nn.ReLU(), nn.Linear(48, 32), nn.ReLU(), nn.Linear(32, 4))
 
 
+class _Temperature(nn.Module):
+    """Logits times a learnable 0-dim parameter (a temperature, as in CLIP): its optimizer state is 0-dim too."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def net_with_temperature():
+    """:func:`net` followed by a 0-dim parameter."""
+    return nn.Sequential(net(), _Temperature())
+
+
 def batch(rank, step):
     """A batch that differs per rank and step, the same on every run."""
     g = torch.Generator().manual_seed(1000 * step + rank)

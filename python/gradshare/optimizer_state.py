@@ -27,14 +27,16 @@ Entry = Tuple[str, str, Tuple[int, ...], str, bool]   # key, kind, shape, dtype,
 def state_tensors(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor],
                   per_element: bool = True) -> Iterable[Tuple[str, torch.Tensor, torch.Tensor]]:
     """(key, parameter, tensor) for the floating state tensors of ``params``, in a fixed order. ``per_element``:
-    only tensors shaped like their parameter (else every floating tensor with at least one dimension)."""
+    only tensors shaped like their parameter (else also every other floating tensor with at least one
+    dimension). A 0-dim parameter's moments are 0-dim too and count; a step counter (``step``, the same on
+    every rank) never does."""
     for p in params:
         st = optimizer.state.get(p, {})
         for key in sorted(st):
             t = st[key]
-            if not (torch.is_tensor(t) and t.is_floating_point()):
+            if not (torch.is_tensor(t) and t.is_floating_point()) or key == "step":
                 continue
-            if (t.shape != p.shape) if per_element else t.dim() == 0:
+            if t.shape != p.shape and (per_element or t.dim() == 0):
                 continue
             yield key, p, t
 
