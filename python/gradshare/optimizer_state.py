@@ -27,16 +27,15 @@ Entry = Tuple[str, str, Tuple[int, ...], str, bool]   # key, kind, shape, dtype,
 def state_tensors(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor],
                   per_element: bool = True) -> Iterable[Tuple[str, torch.Tensor, torch.Tensor]]:
     """(key, parameter, tensor) for the floating state tensors of ``params``, in a fixed order. ``per_element``:
-    only tensors shaped like their parameter (else also every other floating tensor with at least one
-    dimension). A 0-dim parameter's moments are 0-dim too and count; a step counter (``step``, the same on
-    every rank) never does."""
+    only tensors shaped like their parameter (else every one: Adafactor's factored moments, an optimizer's
+    running scalar per parameter). A step counter (``step``, the same on every rank) never counts."""
     for p in params:
         st = optimizer.state.get(p, {})
         for key in sorted(st):
             t = st[key]
             if not (torch.is_tensor(t) and t.is_floating_point()) or key == "step":
                 continue
-            if t.shape != p.shape and (per_element or t.dim() == 0):
+            if per_element and t.shape != p.shape:
                 continue
             yield key, p, t
 
