@@ -447,6 +447,66 @@ def test_allreduce_steps_are_ddp_steps_bit_for_bit(front):
         assert np.array_equal(mine, ddp)
 
 
+def _sparse_embedding_allreduce(front):
+    """An nn.Embedding(sparse=True) (its gradient a sparse tensor) trained on the all-reduce path, and by DDP."""
+    warnings.simplefilter("ignore")
+    r = dist.get_rank()
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 4))
+
+    mine, ref = model(), model()
+    inner = torch.optim.SGD(mine.parameters(), lr=0.5)
+    link = LinkAware(clock=FakeClock({ALLREDUCE: 1.0, COMPRESSED: 100.0}))
+    if front == "hook":
+        net, opt = DDP(mine), inner
+        state = ThresholdState(optimizer=inner, link=link)
+        net.register_comm_hook(state, threshold_hook)
+    else:
+        net = mine
+        state = opt = SharedOptimizer(inner, link=link)
+    link = state.sharing.link
+    link.clock.link = link
+    link.load_state_dict(dict(link.state_dict(), choice=ALLREDUCE, plan=[], next_probe=10 ** 6))
+    ref_net, ref_opt = DDP(ref), torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(3):
+        g = torch.Generator().manual_seed(1000 * step + r)
+        x = torch.randint(0, 50, (16,), generator=g)
+        for n, o in ((net, opt), (ref_net, ref_opt)):
+            o.zero_grad()
+            F.cross_entropy(n(x), x % 4).backward()
+            o.step()
+    verify_replicas(mine)
+    return _flat(mine), _flat(ref), dict(state.sharing.stats.format_counts)
+
+
+@pytest.mark.parametrize("front", ["hook", "optimizer"])
+def test_sparse_gradients_on_allreduce_steps_are_ddp_steps(front):
+    """DDP all-reduces an nn.Embedding(sparse=True)'s sparse gradient; the all-reduce path does the same."""
+    for mine, ddp, formats in run_local(_sparse_embedding_allreduce, 2, args=(front,), timeout=120):
+        assert formats.get("allreduce", 0) > 0, formats
+        np.testing.assert_allclose(mine, ddp, rtol=0, atol=1e-6)
+
+
+def _sparse_gradient_shared_as_gradient():
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    net = DDP(torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 4)))
+    net.register_comm_hook(ThresholdState(), threshold_hook)       # gradients mode: no optimizer given
+    x = torch.arange(16) % 50
+    try:
+        F.cross_entropy(net(x), x % 4).backward()
+    except Exception as e:  # noqa: BLE001  (DDP may wrap it)
+        return str(e)
+    return None
+
+
+def test_a_sparse_gradient_in_gradients_mode_is_refused_clearly():
+    for err in run_local(_sparse_gradient_shared_as_gradient, 2, timeout=120):
+        assert err is not None and "sparse gradient" in err and "ThresholdState(optimizer=opt)" in err, err
+
+
 def _nonfinite_in_allreduce_step(front, nonfinite):
     warnings.simplefilter("ignore")
     r = dist.get_rank()

@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from gradshare import message as msgfmt
 from gradshare import ops
+from gradshare.process_group import chain
 from gradshare._deprecation import RenamedAttribute, renamed_kwargs
 from gradshare.costmodel import allgather_bytes, fixed_allgather_bytes, ring_allreduce_bytes
 from gradshare.message import (BITMAP, FAILED, FORMAT_NAMES, HEADER_WORDS, LENGTHS_WORDS, NONFINITE, SPARSE,
@@ -362,8 +363,9 @@ def scale_nonfinite(t: torch.Tensor, scale: float) -> torch.Tensor:
     tensor on t's device, 1 when t held a NaN or Inf). One read and one write of ``t``, where scaling and
     then checking would read it twice: the all-reduce of a mean gradient divides after summing, as DDP
     without a hook divides while copying into its bucket. Uses torch's fused GradScaler kernel (float32 and
-    float64, CPU and CUDA); other dtypes scale, then check."""
-    if t.dtype in (torch.float32, torch.float64):
+    float64, CPU and CUDA); other dtypes and sparse tensors (an nn.Embedding(sparse=True)'s gradient) scale,
+    then check."""
+    if t.dtype in (torch.float32, torch.float64) and not t.is_sparse:
         found = torch.zeros(1, dtype=torch.float32, device=t.device)
         torch._amp_foreach_non_finite_check_and_unscale_(
             [t], found, torch.full((1,), scale, dtype=torch.float32, device=t.device))
@@ -377,8 +379,9 @@ def any_nonfinite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     On CPU one sum per tensor is the test (a sum is finite only when every element is): about 30x faster
     than ``isfinite().all()``, which writes a mask as large as the tensor. A sum that is not finite, which
     finite values that overflow can also give, is then checked element by element. On GPUs the element
-    test is bandwidth-bound and needs no host sync, so it is used directly."""
-    ts = [t.detach() for t in tensors]
+    test is bandwidth-bound and needs no host sync, so it is used directly. A sparse tensor is tested by its
+    stored values."""
+    ts = [t.detach()._values() if t.is_sparse else t.detach() for t in tensors]
     if not ts:
         return torch.zeros(1)
     if ts[0].device.type == "cpu":
@@ -555,7 +558,7 @@ def exchange_async(update: torch.Tensor, residual: torch.Tensor, tau: Optional[f
 
     if ex.fixed is not None:
         ex.encode()
-        ex.launch(process_group, async_op=True).get_future().then(on_payload)
+        chain(ex.launch(process_group, async_op=True).get_future(), on_payload)
         return result
 
     ch = channel if channel is not None else default_channel(process_group)
@@ -567,7 +570,7 @@ def exchange_async(update: torch.Tensor, residual: torch.Tensor, tau: Optional[f
 
     def go() -> None:
         try:
-            ex.launch(payload_group, async_op=True).get_future().then(on_payload)
+            chain(ex.launch(payload_group, async_op=True).get_future(), on_payload)
         except BaseException as e:  # noqa: BLE001
             fail(e)
 
@@ -594,5 +597,5 @@ def exchange_async(update: torch.Tensor, residual: torch.Tensor, tau: Optional[f
     except BaseException:
         ch.launch(ticket, None)
         raise
-    work.get_future().then(on_lengths)
+    chain(work.get_future(), on_lengths)
     return result

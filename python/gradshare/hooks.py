@@ -62,6 +62,7 @@ from gradshare.comm import NonFiniteStepError
 from gradshare.sharing import Bucket, Sharing, SharingFront
 from gradshare.costmodel import ring_allreduce_bytes
 from gradshare.link import ALLREDUCE
+from gradshare.process_group import chain
 from gradshare.stats import Statistics, StepRecord
 from gradshare.thresholds import ResidualClipping
 
@@ -443,6 +444,10 @@ def threshold_hook(state: ThresholdState, bucket: dist.GradBucket) -> torch.futu
             state._scale = state.loss_scale()
         iteration, scale = state._iteration, state._scale
     try:
+        if buf.is_sparse:
+            raise ValueError("threshold_hook: a sparse gradient (nn.Embedding(sparse=True) or EmbeddingBag) cannot "
+                             "be threshold-encoded as a gradient; pass the optimizer (ThresholdState(optimizer=opt): "
+                             "its dense updates are shared) or use sparse=False")
         if scale is not None:
             buf.div_(scale)                       # unscaled units: what thresholds and residuals mean
         fut = sh.start(b, buf, buf, f"DDP bucket {bucket.index()}")
@@ -457,7 +462,7 @@ def threshold_hook(state: ThresholdState, bucket: dist.GradBucket) -> torch.futu
         if not bucket.is_last():
             # Each bucket's result is released with the whole step's, so that when any bucket fails DDP
             # sees the error only after every bucket has been put back (all or nothing).
-            return iteration.then(lambda done, fut=fut: _after(done, fut, scale))
+            return chain(iteration, lambda done, fut=fut: _after(done, fut, scale))
         inflight, state._inflight, state._iteration = state._inflight, [], None
 
     def finish(all_done) -> torch.Tensor:
@@ -474,7 +479,7 @@ def threshold_hook(state: ThresholdState, bucket: dist.GradBucket) -> torch.futu
         iteration.set_result(None)
         return out
 
-    return torch.futures.collect_all([f for _, f in inflight]).then(finish)
+    return chain(torch.futures.collect_all([f for _, f in inflight]), finish)
 
 
 def _after(done: torch.futures.Future, fut: torch.futures.Future, scale: Optional[float]) -> torch.Tensor:
@@ -525,7 +530,7 @@ def _updates_hook(state: ThresholdState, bucket, buf: torch.Tensor) -> torch.fut
                 state._mean_bad = bad if state._mean_bad is None else torch.maximum(state._mean_bad, bad)
             return out
 
-        return work.get_future().then(reduced)
+        return chain(work.get_future(), reduced)
     uncovered = _allreduce_uncovered(state, bucket.parameters(), buf)
     if not state.flags_gathered():                 # each rank checks its own gradients in opt.step()
         state._flagged = False
@@ -549,7 +554,7 @@ def _updates_hook(state: ThresholdState, bucket, buf: torch.Tensor) -> torch.fut
             buf.fill_(float("nan"))
         return buf
 
-    return torch.futures.collect_all([work.get_future()] + ([uncovered] if uncovered is not None else [])).then(agreed)
+    return chain(torch.futures.collect_all([work.get_future()] + ([uncovered] if uncovered is not None else [])), agreed)
 
 
 def _called_by_grad_scaler() -> bool:
@@ -584,7 +589,7 @@ def _allreduce_uncovered(state: ThresholdState, params, buf: torch.Tensor) -> Op
             at += k
         return buf
 
-    return work.get_future().then(reduced)
+    return chain(work.get_future(), reduced)
 
 
 def _record_uncovered(state: ThresholdState, slices: List[tuple]) -> None:

@@ -20,6 +20,16 @@ references it. Two things did:
 - gradshare's own exchange channels kept a private payload group (gradshare.comm.Channel); they now hold
   it weakly.
 
+The same abort can end a user's own script that registered gradshare's hook, whatever group it joined:
+the callbacks that gradshare chains on a collective's future (:func:`chain`) run on the gloo thread that
+completed it, which then releases them, and releasing a Python callable takes the GIL. Likewise, the thread
+that ran a collective drops it (and its tensors, whose Python objects need the GIL) just after waking the
+caller. So a script whose last step just ended can reach the interpreter's finalization while that thread
+is still releasing either (seen: ~20% of 2-rank torchrun runs of a DDP script with the hook aborted at exit,
+in ``AsyncAllgatherWork``'s destructor). Every callback gradshare chains is counted from when it runs until it
+is released, and an ``atexit`` handler (which runs while the interpreter is still whole) waits, up to a few
+seconds, until none is left and gloo's collective threads are seen asleep.
+
 The rendezvous store that rank 0 serves listens on the rendezvous address only (:func:`serving_store`),
 not on every interface of the host as torch's own does. Where gradshare picks the port itself (the local
 workers, a world of one), the store binds port 0 and reports the port the system gave it: a port chosen
@@ -30,18 +40,87 @@ likely cause, when something (a user object holding a group) still keeps one ali
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import socket
+import threading
 import time
 import warnings
 from datetime import timedelta
-from typing import List
+from typing import Any, Callable, List, Tuple
 
+import torch
 import torch.distributed as dist
 
 # Native thread names of a gloo process group: its collective workers and its transport loop.
 GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
+
+
+_released = threading.Condition(threading.RLock())   # re-entrant: a release may run inside a locked section
+_running = 0                                          # callbacks that ran and are not released yet
+
+
+class _Counted:
+    """A future's callback, counted from when it runs until the thread that ran it releases it."""
+
+    __slots__ = ("fn", "ran")
+
+    def __init__(self, fn: Callable[[torch.futures.Future], Any]):
+        self.fn, self.ran = fn, False
+
+    def __call__(self, fut: torch.futures.Future) -> Any:
+        global _running
+        with _released:
+            _running += 1
+            self.ran = True
+        return self.fn(fut)
+
+    def __del__(self) -> None:
+        global _running
+        if self.ran:
+            with _released:
+                _running -= 1
+                _released.notify_all()
+
+
+def chain(fut: torch.futures.Future, fn: Callable[[torch.futures.Future], Any]) -> torch.futures.Future:
+    """``fut.then(fn)``, with ``fn`` counted until the thread that runs it has released it (module docstring)."""
+    return fut.then(_Counted(fn))
+
+
+@atexit.register
+def _let_backend_threads_finish(timeout: float = 5.0) -> None:
+    """At exit, while the interpreter is still whole: until every chained callback that ran has been released
+    and gloo's collective threads have been seen asleep three times in a row, 10 ms apart, without the GIL
+    (a thread still dropping a finished collective, whose tensors' Python objects need the GIL, is running or
+    runnable until it is done; on a loaded machine that can take longer than any fixed pause). At most
+    ``timeout`` seconds (module docstring)."""
+    deadline = time.monotonic() + timeout
+    with _released:
+        while _running > 0 and time.monotonic() < deadline:
+            _released.wait(timeout=0.01)
+    asleep = 0
+    while asleep < 3 and time.monotonic() < deadline:
+        states = _worker_states()
+        if not states:
+            return
+        asleep = asleep + 1 if all(st in "SD" for st in states) else 0
+        time.sleep(0.01)
+
+
+def _worker_states() -> List[str]:
+    """The scheduler state (R, S, D, ...) of each of this process's gloo collective threads (Linux)."""
+    states = []
+    for tid, name in _gloo_tasks():
+        if name != GLOO_THREADS[0]:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):  # the thread ended meanwhile
+            continue
+    return states
 
 
 def _import_before_joining() -> None:
@@ -80,13 +159,13 @@ def init_process_group(backend: str, *, rank: int, world_size: int, timeout: tim
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def backend_threads() -> List[str]:
-    """Names of this process's live gloo threads (Linux; an empty list where /proc is not available)."""
-    names = []
+def _gloo_tasks() -> List[Tuple[str, str]]:
+    """(thread id, name) of this process's live gloo threads (Linux; an empty list where /proc is not available)."""
+    out = []
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
-        return names
+        return out
     for tid in tasks:
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
@@ -94,8 +173,13 @@ def backend_threads() -> List[str]:
         except OSError:  # the thread ended meanwhile
             continue
         if name in GLOO_THREADS:
-            names.append(name)
-    return names
+            out.append((tid, name))
+    return out
+
+
+def backend_threads() -> List[str]:
+    """Names of this process's live gloo threads (Linux; an empty list where /proc is not available)."""
+    return [name for _, name in _gloo_tasks()]
 
 
 def destroy_process_group(wait: float = 5.0) -> List[str]:

@@ -127,7 +127,7 @@ class Bucket:
             if p.grad is None:
                 v.zero_()
             else:
-                v.copy_(p.grad)
+                v.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
         return out
 
     def grads_present(self) -> torch.Tensor:
@@ -166,6 +166,8 @@ class Bucket:
                 continue
             if p.grad is None:
                 p.grad = v.to(p.dtype).clone()
+            elif p.grad.is_sparse:     # stays sparse (SparseAdam needs it): the rows any rank had, mean
+                p.grad = v.to(p.dtype).to_sparse(p.grad.sparse_dim())
             else:
                 p.grad.copy_(v)
 
