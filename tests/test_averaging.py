@@ -1,4 +1,5 @@
 import copy
+import warnings
 
 import pytest
 import torch
@@ -163,8 +164,8 @@ def _sparse_pseudo_gradient(mid_round_resume, inner_name="adam"):
     # RMSprop with momentum, whose rescaling keeps state of gradshare's: second_moment.GlobalBatchStep).
     rank = dist.get_rank()
 
-    def make():
-        m = _model()
+    def make(m=None):
+        m = _model() if m is None else m
         inner = (torch.optim.Adam(m.parameters(), lr=1e-2) if inner_name == "adam" else
                  torch.optim.RMSprop(m.parameters(), lr=1e-3, momentum=0.9))
         return m, inner, ParameterAveraging(m, inner, frequency=3, outer_optimizer=_nesterov,
@@ -188,6 +189,15 @@ def _sparse_pseudo_gradient(mid_round_resume, inner_name="adam"):
         pa2.load_state_dict(sd["pa"])
         _train(m2, pa2, rank + 9, 4)
         out["resume_exact"] = torch.equal(_flat(model), _flat(m2)) and pa2.rounds == pa.rounds
+        # The model loaded first, then wrapped: the initial broadcast replaces rank 1's own mid-round model
+        # with rank 0's, which load_state_dict says (on the rank that lost its own).
+        m3 = _model()
+        m3.load_state_dict(sd["model"])
+        _, _, pa3 = make(m3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pa3.load_state_dict(sd["pa"])
+        out["warned_wrong_order"] = any("replaced by rank 0's" in str(w.message) for w in caught)
     return out
 
 
@@ -216,6 +226,7 @@ def test_sparse_pseudo_gradient_keeps_replicas_identical_and_resumes_exactly(res
         assert r["residual"] > 0, "what top-k did not send waits in the residual"
         assert 0 < r["sent"] < r["dense_round"] / 5
         assert r["resume_exact"]
+    assert [r[key]["warned_wrong_order"] for r in results] == [False, True]   # rank 1's model was replaced
 
 
 @pytest.fixture(scope="module")

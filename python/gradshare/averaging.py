@@ -46,6 +46,7 @@ many ranks.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -391,9 +392,13 @@ class ParameterAveraging(WrappedOptimizer):
         if not ts:
             return
         flat = self._flatten(ts)
+        own = flat.clone()
         src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
         dist.broadcast(flat, src=src, group=self.process_group)
         self._unflatten(flat, ts)
+        # A resume that loaded this rank's own mid-round model before building this object just lost it:
+        # load_state_dict says so (a rank's model differs from rank 0's only mid-round).
+        self._replaced_own_model = not torch.equal(own, flat)
 
     def _share_new_group(self, params) -> None:
         """``add_param_group``: the model's parameters are averaged (or their change shared) already; a
@@ -470,6 +475,13 @@ class ParameterAveraging(WrappedOptimizer):
                 self._inflight.append(_InFlight(int(r["fragment"]), int(r["land_at"]), None, bool(r["ok"])))
         self.rescale.load_state_dict(state.get("mean gradient"))
         self.step_count = int(state["step"])
+        mid_round = self.step_count > 0 and (self._streaming or not self.due(self.step_count))
+        if getattr(self, "_replaced_own_model", False) and mid_round:
+            warnings.warn("ParameterAveraging.load_state_dict: a checkpoint from the middle of a round, but this rank's "
+                          "model was replaced by rank 0's when ParameterAveraging was built (sync_initial=True): "
+                          "its own progress since the round began is lost. Load the model's state after building "
+                          "ParameterAveraging, or pass sync_initial=False when resuming.", RuntimeWarning,
+                          stacklevel=3)
         self.rounds = int(state.get("rounds", 0))
         self.bytes_sent = int(state.get("bytes_sent", 0))
         self.dense_bytes = int(state.get("dense_bytes", 0))
