@@ -156,12 +156,9 @@ def _window(kind: str, group: Dict[str, Any]) -> Optional[Callable[[int], Tuple[
     if kind == "adafactor":
         decay = float(group.get("beta2_decay", -0.8))
         return lambda k: (float(k) ** decay, 1.0)
-    beta = {"adam": lambda: group["betas"][1], "nadam": lambda: group["betas"][1], "radam": lambda: group["betas"][1],
-            "adamax": lambda: group["betas"][1], "rmsprop": lambda: group["alpha"],
-            "adadelta": lambda: group["rho"]}.get(kind)
-    if beta is None:
+    if kind == "adagrad":
         return None
-    b = float(beta())
+    b = float({"rmsprop": group.get("alpha"), "adadelta": group.get("rho")}.get(kind) or group["betas"][1])
     return lambda k: (1.0 - b, 1.0 - b ** k)
 
 
