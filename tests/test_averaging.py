@@ -11,6 +11,7 @@ from gradshare.averaging import ParameterAveraging
 from gradshare.costmodel import ring_allreduce_bytes
 from gradshare.models import SmallCNN
 from gradshare.workers import run_local
+from tiny_model import GroupAdaptive
 
 pytestmark = pytest.mark.slow
 
@@ -52,21 +53,23 @@ def _gather(t):
 def _bitwise_after_round(opt_name, device="cpu"):
     rank = dist.get_rank()
     model = _model().to(device)
-    inner = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if opt_name == "sgd"
-             else torch.optim.Adam(model.parameters(), lr=1e-2))
+    inner = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+             "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+             "group_adaptive": lambda ps: GroupAdaptive(ps, lr=0.1)}[opt_name](model.parameters())
     pa = ParameterAveraging(model, inner, frequency=3)
     _train(model, pa, rank, 2)                      # no round yet: replicas differ
     before = _gather(_flat(model, inner))
     _train(model, pa, rank, 1)                      # step 3: a round
     after = _gather(_flat(model, inner))
     return (not torch.equal(before[0], before[1]), torch.equal(after[0], after[1]),
-            pa.rounds, pa.bytes_sent, pa.dense_bytes, after[0].numel())
+            pa.rounds, pa.bytes_sent, pa.dense_bytes, after[0].numel(), [g.get("d") for g in inner.param_groups])
 
 
-@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+@pytest.mark.parametrize("opt_name", ["sgd", "adam", "group_adaptive"])
 def test_ranks_bitwise_identical_after_a_round(results, opt_name):
     out = [r[f"bitwise_{opt_name}"] for r in results]
-    for differed, same, rounds, sent, dense, numel in out:
+    assert out[0][-1] == out[1][-1]                 # a value adapted in the param_groups (D-Adaptation's d) too
+    for differed, same, rounds, sent, dense, numel, _ in out:
         assert differed, "replicas should differ between rounds"
         assert same, "replicas (params and optimizer state) must be bitwise identical after a round"
         assert rounds == 1
@@ -204,6 +207,7 @@ def _sparse_pseudo_gradient(mid_round_resume, inner_name="adam"):
 def _all_checks():
     # One group runs every check (starting worker processes is the slow part).
     return {"bitwise_sgd": _bitwise_after_round("sgd"), "bitwise_adam": _bitwise_after_round("adam"),
+            "bitwise_group_adaptive": _bitwise_after_round("group_adaptive"),
             "frequency1": _frequency1_equals_gradient_averaging(5), "schedule": _schedule_and_options(),
             "broadcast": _initial_broadcast(), "dense_pseudo": _dense_pseudo_gradient_equals_averaging(),
             "sparse_pseudo": _sparse_pseudo_gradient(True),

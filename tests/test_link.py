@@ -19,7 +19,8 @@ import gradshare
 from gradshare import LinkAware, SharedOptimizer, ThresholdState, TopK, threshold_hook, verify_replicas
 from gradshare.link import ALLREDUCE, COMPRESSED
 from gradshare.workers import run_local
-from tiny_model import batch as _batch, flat as _flat, net as _net, net_with_temperature, restore, scaled_steps, snapshot
+from tiny_model import (GroupAdaptive, batch as _batch, flat as _flat, net as _net, net_with_temperature, restore,
+                        scaled_steps, snapshot)
 
 
 class FakeClock:
@@ -317,7 +318,9 @@ def _setup(front, optimizer, costs, compression=None, nonfinite="raise", on_allr
              "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),   # factored (row, column) moments
              # gradshare keeps its mean gradient and a momentum of the rescaling (second_moment.GlobalBatchStep)
              "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9),
-             "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)}[optimizer](model.parameters())
+             "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+             # an adaptive value in the param_groups, estimated from each rank's own gradients (D-Adaptation's d)
+             "group_adaptive": lambda ps: GroupAdaptive(ps, lr=0.05)}[optimizer](model.parameters())
     clock = FakeClock(costs)
     kw = dict(compression=compression, link=LinkAware(clock=clock), nonfinite=nonfinite)
     if front == "hook":
@@ -374,12 +377,13 @@ def _agree_and_switch(front, optimizer):
     _train(net, opt, 7, start=30, modes=modes, sharing=sh)
     verify_replicas(model)
     out.update(choice_last=sh.link.choice, params=_flat(model), states=[t.numpy() for t in _states(inner)],
-               residual_max=max(float(b.residual.abs().max()) for b in sh.buckets))
+               residual_max=max(float(b.residual.abs().max()) for b in sh.buckets),
+               groups=[{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups])
     return out
 
 
 @pytest.mark.parametrize("front", ["hook", "optimizer"])
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "adamw_0dim", "rmsprop"] +
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "adamw_0dim", "rmsprop", "group_adaptive"] +
                          (["adafactor"] if hasattr(torch.optim, "Adafactor") else []))
 def test_ranks_agree_and_switching_keeps_replicas_and_states_equal(front, optimizer):
     a, b = run_local(_agree_and_switch, 2, args=(front, optimizer), timeout=180)
@@ -395,6 +399,7 @@ def test_ranks_agree_and_switching_keeps_replicas_and_states_equal(front, optimi
     assert len(a["states"]) > 0
     for x, y in zip(a["states"], b["states"]):
         assert np.array_equal(x, y)
+    assert a["groups"] == b["groups"]                  # D-Adaptation's d too
     assert a["residual_max"] == 0.0
 
 

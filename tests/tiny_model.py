@@ -26,6 +26,29 @@ def net_with_temperature():
     return nn.Sequential(net(), _Temperature())
 
 
+class GroupAdaptive(torch.optim.Optimizer):
+    """SGD with momentum whose step is scaled by a value it keeps in each parameter group and estimates from the
+    gradients it sees, as D-Adaptation's and Prodigy's ``d`` are: ranks that step on their own gradients end
+    with different values."""
+
+    def __init__(self, params, lr=0.05, momentum=0.9):
+        super().__init__(params, dict(lr=lr, momentum=momentum, d=1.0))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            grads = [p.grad for p in group["params"] if p.grad is not None]
+            if grads:
+                norm = float(torch.stack([g.norm() for g in grads]).norm())
+                group["d"] = 0.9 * group["d"] + 0.1 * min(norm, 10.0)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                buf.mul_(group["momentum"]).add_(p.grad)
+                p.add_(buf, alpha=-group["lr"] * group["d"])
+
+
 def batch(rank, step):
     """A batch that differs per rank and step, the same on every run."""
     g = torch.Generator().manual_seed(1000 * step + rank)

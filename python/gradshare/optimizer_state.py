@@ -11,6 +11,9 @@ same moments but different counters take different steps from the same gradient:
 entries (a checksum of keys, shapes and dtypes) and the same ``step`` counters. Where entries differ
 (rare), ranks exchange their layouts and a rank lacking an entry creates it as zeros; where counters
 differ, a parameter's scalar entries are taken from the rank that stepped it most (ties: the lowest rank).
+Adaptive values an optimizer keeps in its ``param_groups`` (D-Adaptation's and Prodigy's ``d``, estimated from
+each rank's own gradients) are made equal too: one that differs across ranks becomes the ranks' mean; values
+equal everywhere (learning rates, betas) are left as they are, bit for bit.
 """
 from __future__ import annotations
 
@@ -86,8 +89,9 @@ def agree(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], proc
           device: Optional[torch.device] = None) -> None:
     """Makes the state entries of ``params`` alike on every rank (a collective; module docstring): the same
     keys, shapes and dtypes (missing ones created as zeros) and, where the ``step`` counters differ, the
-    scalar entries of the rank that stepped most. When every rank already holds the same entries and
-    counters (the usual case) this is one all-reduce of a few numbers per parameter."""
+    scalar entries of the rank that stepped most; and the floating values of their parameter groups that
+    differ across ranks replaced by the mean. When every rank already holds the same entries and counters
+    (the usual case) this is two all-reduces of a few numbers per parameter and group value."""
     params = list(params)
     world = dist.get_world_size(process_group)
     if world <= 1 or not params:
@@ -97,12 +101,19 @@ def agree(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], proc
     layouts = [_layout(p, optimizer.state.get(p, {})) for p in params]
     crc = float(zlib.crc32(repr(layouts).encode()))
     steps = [_steps(optimizer, p) for p in params]
-    # One MAX all-reduce: the layout checksum both ways (equal everywhere iff max == min), each parameter's
-    # largest step with the rank that has it (ties to the lowest rank), and each one's smallest step.
-    agreed = _max([crc, -crc] + [s * world + (world - 1 - rank) for s in steps] + [-s for s in steps],
+    # One MAX all-reduce: the layout checksums (the state's, the groups' keys) both ways (equal everywhere iff
+    # max == min), each parameter's largest step with the rank that has it (ties to the lowest rank), and each
+    # one's smallest step.
+    groups = _group_scalars(optimizer, params)
+    gcrc = float(zlib.crc32(repr([(i, k) for i, k, _ in groups]).encode()))
+    agreed = _max([crc, -crc, gcrc, -gcrc] + [s * world + (world - 1 - rank) for s in steps] + [-s for s in steps],
                   dev, process_group)
+    if agreed[2] != -agreed[3]:
+        raise RuntimeError("optimizer state: the ranks' param_groups hold different keys; every rank must build "
+                           "the same optimizer with the same parameter groups")
+    _agree_group_scalars(groups, world, dev, process_group)
     n = len(params)
-    ranked, low = agreed[2:2 + n], [-v for v in agreed[2 + n:]]
+    ranked, low = agreed[4:4 + n], [-v for v in agreed[4 + n:]]
     differ = {i for i in range(n) if int(round(ranked[i])) // world != low[i]}
     if agreed[0] != -agreed[1]:                # some rank's entries differ: exchange the layouts
         everyone: List[Optional[List[List[Entry]]]] = [None] * world
@@ -136,6 +147,42 @@ def agree(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], proc
             old.fill_(v)
         else:
             st[k] = type(old)(v)
+
+
+def _group_scalars(optimizer: torch.optim.Optimizer, params: List[torch.Tensor]) -> List[Tuple[int, str, Dict]]:
+    """(group index, key, group) for each floating number a parameter group of ``params`` holds."""
+    mine = {id(p) for p in params}
+    out = []
+    for i, g in enumerate(optimizer.param_groups):
+        if any(id(p) in mine for p in g["params"]):
+            out += [(i, k, g) for k in sorted(g) if k != "params" and _float_scalar(g[k])]
+    return out
+
+
+def _float_scalar(v: Any) -> bool:
+    if torch.is_tensor(v):
+        return v.dim() == 0 and v.is_floating_point()
+    return isinstance(v, float)
+
+
+def _agree_group_scalars(groups: List[Tuple[int, str, Dict]], world: int, device: torch.device, group: Any) -> None:
+    """Each group value that differs across ranks replaced by the ranks' mean (one MAX all-reduce tells which;
+    a sum only when one does)."""
+    if not groups:
+        return
+    vals = [_value(g[k]) for _, k, g in groups]
+    m = _max(vals + [-v for v in vals], device, group)
+    differ = [j for j in range(len(vals)) if m[j] != -m[len(vals) + j]]
+    if not differ:
+        return
+    mean = torch.tensor([vals[j] for j in differ], dtype=torch.float64, device=device)
+    dist.all_reduce(mean, group=group)
+    for j, v in zip(differ, mean.div_(world).tolist()):
+        _, k, g = groups[j]
+        if torch.is_tensor(g[k]):
+            g[k].fill_(v)
+        else:
+            g[k] = v
 
 
 def _value(v: Any) -> float:
