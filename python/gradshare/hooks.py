@@ -208,6 +208,7 @@ class ThresholdState(SharingFront):
         self._scaled: Optional[bool] = None
         self._flagged = False
         self._share_grads: set = set()             # cores whose rank shares its non-finite gradients this step
+        self._joined = False                       # in _joined_step (DDP.join(): this rank is out of inputs)
 
     # -- what the rest of gradshare reads ------------------------------------------------------------
     @property
@@ -267,7 +268,7 @@ class ThresholdState(SharingFront):
             sh.before_allreduce_step(optimizer)
             return
         sh.begin_updates()
-        if not self._flagged and sh.nonfinite == "raise" and sh.grads_nonfinite():
+        if not self._flagged and not self._joined and sh.nonfinite == "raise" and sh.grads_nonfinite():
             # no flags gathered in backward: this rank does not step and shares its gradients, and the exchange
             # stops every rank (SharedOptimizer's rule; "skip" always gathers them)
             self._saved_grads[id(sh)] = [(p, p.grad) for b in sh.buckets for p in b.params]
@@ -297,7 +298,25 @@ class ThresholdState(SharingFront):
         if self._allreduce_step.get(id(sh), False):
             sh.end_allreduce_step()
         else:
-            sh.share_updates()
+            sh.share_updates(joined=self._joined)
+
+    def _joined_step(self) -> None:
+        """``DDP.join()``, on a rank out of inputs, after DDP's shadow of the others' backward: the optimizer steps
+        the ranks still training take. On an all-reduce step it steps on the mean gradient as they do; on a
+        compressed one it shares a zero update (its residual still goes out) and its optimizer does not step.
+        Either way it runs the same collectives and applies the same means, so replicas stay identical (DDP's
+        joined ranks likewise contribute zero gradients)."""
+        if self._backward_allreduce:
+            for opt in self.optimizers:
+                opt.step()                         # its step hooks run as on every other rank
+            return
+        self._joined = True
+        try:
+            for opt in self.optimizers:
+                self._before_step(opt, (), {})
+                self._after_step(opt, (), {})
+        finally:
+            self._joined = False
 
     # -- gradients mode: DDP's buckets ---------------------------------------------------------------
     def _stable_id(self, p) -> int:
@@ -500,6 +519,30 @@ def _rescaled(result, scale: Optional[float]) -> torch.Tensor:
 
 
 def _updates_hook(state: ThresholdState, bucket, buf: torch.Tensor) -> torch.futures.Future:
+    """Updates mode (:func:`_updates_exchange`). Under ``DDP.join()`` a rank out of inputs runs this hook on zero
+    buckets, outside any backward, to match the others' collectives; the others' exchange of updates comes in
+    their ``opt.step()``, which this rank then matches too (:meth:`ThresholdState._joined_step`)."""
+    joined = _outside_backward() and not bool(buf.any())     # DDP's shadow buckets are zeros
+    fut = _updates_exchange(state, bucket, buf)
+    if joined:
+        out = fut.wait()
+        if state._backward_allreduce:              # the mean gradient, which this rank's optimizer steps on too
+            off = 0
+            for p in bucket.parameters():
+                p.grad = out[off:off + p.numel()].view_as(p).clone()
+                off += p.numel()
+        if bucket.is_last():
+            state._joined_step()
+    return fut
+
+
+def _outside_backward() -> bool:
+    """Whether DDP called the hook outside a backward pass: its join hook's shadow of one, on a joined rank."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() == -1
+
+
+def _updates_exchange(state: ThresholdState, bucket, buf: torch.Tensor) -> torch.futures.Future:
     """Updates mode: the local gradient goes back to DDP unchanged. Where flags are gathered
     (:meth:`ThresholdState.flags_gathered`: a GradScaler, or nonfinite="skip") the last bucket agrees with every
     rank on which ranks saw a non-finite gradient in this backward (an all-gather of one flag per rank) and, if

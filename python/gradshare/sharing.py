@@ -511,7 +511,7 @@ class Sharing:
             b.gather_params(b.snapshot)
 
     def share_updates(self, outer: Optional[torch.optim.Optimizer] = None, share_grads: bool = False,
-                      buckets: Optional[Sequence[Bucket]] = None) -> bool:
+                      buckets: Optional[Sequence[Bucket]] = None, joined: bool = False) -> bool:
         """After the optimizer's local step(s): shares each bucket's change since :meth:`begin_updates` and
         sets every rank's parameters to (before - decoded mean change). With an ``outer`` optimizer over the
         buckets' parameters (DiLoCo), the parameters are set back to before and ``outer`` steps with the
@@ -520,11 +520,13 @@ class Sharing:
         ``share_grads``: this rank's gradients are not finite and its optimizer did not step; it shares them
         instead of a change, so that the exchange stops every rank (NonFiniteStepError, naming the element).
         With ``delay=1`` (:meth:`_share_updates_late`) the mean applied is the previous step's. ``buckets``: only
-        those (a fragment of the model, gradshare.averaging's streaming rounds)."""
+        those (a fragment of the model, gradshare.averaging's streaming rounds). ``joined``: this rank is out of
+        inputs under ``DDP.join()`` and its optimizer did not step; it shares a zero update (its residual still
+        goes out) and applies the same mean as the ranks still training."""
         if self.delay:
-            return self._share_updates_late(share_grads)
+            return self._share_updates_late(share_grads, joined)
         bs = self.buckets if buckets is None else list(buckets)
-        items = [(b, d, d) for b, d in zip(bs, self._deltas(share_grads, bs))]
+        items = [(b, d, d) for b, d in zip(bs, self._deltas(share_grads, bs, joined))]
         try:
             results = self.run(items)
         except BaseException:
@@ -548,12 +550,16 @@ class Sharing:
             else:
                 b.set_params(b.snapshot)
 
-    def _deltas(self, share_grads: bool, buckets: Optional[Sequence[Bucket]] = None) -> List[torch.Tensor]:
+    def _deltas(self, share_grads: bool, buckets: Optional[Sequence[Bucket]] = None,
+                joined: bool = False) -> List[torch.Tensor]:
         """Each bucket's update of this step in its ``flat`` buffer: the change since :meth:`begin_updates` (as
-        Adam on the global batch would have made it), or the gradients (``share_grads``)."""
+        Adam on the global batch would have made it), the gradients (``share_grads``), or zero (``joined``)."""
         groups = second_moment.groups_of(self.optimizer) if self.global_second_moment and not share_grads else None
         out = []
         for b in (self.buckets if buckets is None else buckets):
+            if joined:
+                out.append(b.flat.zero_())
+                continue
             if share_grads:
                 out.append(b.gather_grads(b.flat))
                 continue
@@ -572,7 +578,7 @@ class Sharing:
         inflight, self._inflight = self._inflight, None
         self._arrived = self.finish(self.collect(inflight))
 
-    def _share_updates_late(self, share_grads: bool) -> bool:
+    def _share_updates_late(self, share_grads: bool, joined: bool = False) -> bool:
         """delay=1: this step's updates are launched (into each bucket's ``mean``, read and written by
         nothing else until they land) and the parameters set to before this step - the last step's mean.
         Returns False when the last step's exchange was skipped (nothing applied for it)."""
@@ -582,7 +588,7 @@ class Sharing:
             self.restore_params()
             raise
         arrived, self._arrived = self._arrived, None
-        deltas = self._deltas(share_grads)
+        deltas = self._deltas(share_grads, joined=joined)
         for b in self.buckets:
             if arrived:
                 b.set_params_before_minus(b.mean)
