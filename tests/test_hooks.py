@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradshare import Adaptive, ThresholdState, threshold_hook, verify_replicas
+from gradshare import Adaptive, SharedOptimizer, ThresholdState, threshold_hook, verify_replicas
 from gradshare.workers import run_local
 
 
@@ -165,19 +165,26 @@ def test_a_compiled_ddp_model_shares_as_the_eager_one():
 
 
 # -- uneven inputs under DDP.join(): a rank out of batches takes part in the others' exchanges ----------------
-def _uneven_inputs_under_join(opt_name, link):
+def _uneven_inputs_under_join(front, opt_name, link):
     from torch.distributed.algorithms.join import Join, Joinable, JoinHook
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
-    ddp = DDP(model)
-    opt = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3),
-           "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)}[opt_name](ddp.parameters())
-    state = ThresholdState(optimizer=opt, link=None if link == "none" else "auto")
+    inner = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3),
+             "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)}[opt_name](model.parameters())
+    kw = dict(link=None if link in ("none", "gradients") else "auto")
+    if front == "hook":
+        net = DDP(model)
+        state = opt = ThresholdState(optimizer=inner, **kw)
+        net.register_comm_hook(state, threshold_hook)
+        step, joinable = inner, net
+    else:
+        net = model
+        state = opt = step = joinable = SharedOptimizer(inner, mode="gradients" if link == "gradients" else "updates",
+                                                        **kw)
     if link == "allreduce":                   # as a run that chose DDP's all-reduce: every step takes it
         lk = state.sharing.link
         lk.load_state_dict(dict(lk.state_dict(), choice="allreduce", plan=[], next_probe=10 ** 6))
-    ddp.register_comm_hook(state, threshold_hook)
     flat = lambda: torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()  # noqa: E731
     seen = {}
 
@@ -203,22 +210,25 @@ def _uneven_inputs_under_join(opt_name, link):
 
     probe = Probe()
     g = torch.Generator().manual_seed(dist.get_rank())
-    with Join([probe, ddp]):
+    with Join([probe, joinable]):
         for _ in range(12 if dist.get_rank() == 0 else 5):        # rank 1 runs out of batches after 5
             Join.notify_join_context(probe)
             x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
-            opt.zero_grad()
-            F.cross_entropy(ddp(x), y).backward()
-            opt.step()
+            step.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            step.step()
     return seen["params"], state.sharing.step, state.sharing.stats.format_counts["allreduce"]
 
 
-@pytest.mark.parametrize("opt_name,link", [("adamw", "none"), ("sgd", "none"), ("adamw", "allreduce"),
-                                           ("sgd", "allreduce"), ("adamw", "auto")])
-def test_uneven_inputs_under_ddp_join_keep_replicas_identical(opt_name, link):
+@pytest.mark.parametrize("front,opt_name,link", [
+    ("hook", "adamw", "none"), ("hook", "sgd", "none"), ("hook", "adamw", "allreduce"), ("hook", "sgd", "allreduce"),
+    ("hook", "adamw", "auto"), ("optimizer", "adamw", "none"), ("optimizer", "sgd", "allreduce"),
+    ("optimizer", "sgd", "gradients")])
+def test_uneven_inputs_under_join_keep_replicas_identical(front, opt_name, link):
     # Before the join ends (and DDP copies the last joiner's model to every rank), the rank that ran out of
-    # inputs 7 steps earlier holds the same parameters: it took part in every exchange with a zero update.
-    a, b = run_local(_uneven_inputs_under_join, 2, (opt_name, link), threads=1, timeout=120)
+    # inputs 7 steps earlier holds the same parameters: it took part in every exchange with a zero update
+    # (the hook: under ddp.join(); SharedOptimizer: a Joinable itself).
+    a, b = run_local(_uneven_inputs_under_join, 2, (front, opt_name, link), threads=1, timeout=120)
     assert a[1] == b[1] == 12
     assert np.array_equal(a[0], b[0])
     if link != "auto":

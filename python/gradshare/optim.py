@@ -36,6 +36,10 @@ Momentum correction in gradshare (``momentum=m``, mode="gradients" only; Deep Gr
 bucket keeps a velocity u = m*u + g and encodes it, for an inner optimizer WITHOUT momentum. "updates" mode
 does the same with the optimizer's own momentum and needs none of this.
 
+Uneven inputs: ``with torch.distributed.algorithms.join.Join([opt]):`` (and ``Join([ddp, opt])``): a rank
+out of batches takes part in the others' steps with no gradient of its own (a zero update, its residual
+still sent) and applies the same means, so replicas stay identical.
+
 With one rank nothing is encoded: ``step()`` is the inner optimizer's step.
 A parameter group added later (``add_param_group``) gets buckets of its own after the others.
 Parameters whose ``grad`` is None on every rank are left untouched, as torch's optimizers leave them.
@@ -45,6 +49,8 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from gradshare._deprecation import renamed_kwargs
 from gradshare.compression import Strom
@@ -57,7 +63,7 @@ MODES = ("updates", "gradients")
 _DEFAULT = object()
 
 
-class SharedOptimizer(SharingFront, WrappedOptimizer):
+class SharedOptimizer(SharingFront, WrappedOptimizer, Joinable):
     """Wraps a torch optimizer; ``step()`` shares updates (or gradients) over a process group.
 
     Args:
@@ -104,6 +110,9 @@ class SharedOptimizer(SharingFront, WrappedOptimizer):
                                  "momentum correction the velocity lives in SharedOptimizer, give the inner "
                                  "optimizer momentum=0 (e.g. torch.optim.SGD(params, lr))")
         self._wrap(optimizer)
+        Joinable.__init__(self)
+        self._joined = False                      # in a step taken for a rank out of inputs (join_hook)
+        self._scaler_seen = False                 # whether a GradScaler has called step() (its flags gathered)
         self.mode = mode
         self.bucket_cap_mb = float(bucket_cap_mb)
         clip = ResidualClipping() if clipping is _DEFAULT else clipping
@@ -165,9 +174,13 @@ class SharedOptimizer(SharingFront, WrappedOptimizer):
             with torch.enable_grad():
                 loss = closure()
         sh = self.sharing
+        if sh.world_size > 1 and not self._joined:
+            Join.notify_join_context(self)        # under Join: this rank has not run out of inputs
         sh.step_skipped = False
         sh.exchange_ready()                       # the gradients are complete: an all-reduce could start now
-        if getattr(self, "found_inf", None) is not None and self._grad_scaler_skips():
+        scaled = getattr(self, "found_inf", None) is not None
+        self._scaler_seen = self._scaler_seen or (scaled and not self._joined)
+        if scaled and self._grad_scaler_skips():
             sh.skip_step()
             return loss
         if sh.world_size == 1:
@@ -193,10 +206,39 @@ class SharedOptimizer(SharingFront, WrappedOptimizer):
             # them instead, and the exchange stops every rank (parameters and residuals unchanged).
             bad_here = sh.grads_nonfinite()
         sh.begin_updates()
-        if not bad_here:
+        if not bad_here and not self._joined:
             self.optimizer.step()
-        sh.share_updates(share_grads=bad_here)
+        sh.share_updates(share_grads=bad_here, joined=self._joined)
         return loss
+
+    # -- uneven inputs (torch.distributed.algorithms.join) ---------------------------------------------------
+    def join_hook(self, **kwargs) -> JoinHook:
+        return _JoinedStep(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.sharing.device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.sharing.process_group if self.sharing.process_group is not None else dist.group.WORLD
+
+    def _joined_step(self) -> None:
+        """The step the ranks still training take, on a rank out of inputs: no gradient of its own (every
+        parameter's None, as for a rank that saw none), so it contributes zero to the mean gradient, or a zero
+        update in "updates" mode (its inner optimizer does not step there); the same collectives, the same
+        means applied."""
+        for g in self.optimizer.param_groups:
+            for p in g["params"]:
+                p.grad = None
+        self._joined = True
+        if self._scaler_seen:                     # the others' GradScaler gathers overflow flags: none here
+            self.found_inf = torch.zeros(1, device=self.sharing.device)
+        try:
+            self.step()
+        finally:
+            self._joined = False
+            self.__dict__.pop("found_inf", None)
 
     def _share_new_group(self, params) -> None:
         """A parameter group added with ``add_param_group`` is shared too, in buckets after the others (every
@@ -219,3 +261,13 @@ class SharedOptimizer(SharingFront, WrappedOptimizer):
         return (f"SharedOptimizer({type(self.optimizer).__name__}, mode={self.mode!r}, "
                 f"buckets={len(self.sharing.buckets)}, compression={self.sharing.compression!r}, "
                 f"reduce={self.sharing.reduce!r}, momentum={self.sharing.momentum!r})")
+
+
+class _JoinedStep(JoinHook):
+    """SharedOptimizer's join hook: one :meth:`SharedOptimizer._joined_step` per step of the others."""
+
+    def __init__(self, opt: SharedOptimizer):
+        self.opt = opt
+
+    def main_hook(self) -> None:
+        self.opt._joined_step()
