@@ -553,3 +553,11 @@ def test_rmsprop_s_squared_mean_is_averaged_over_its_second_moment_s_window():
     state = r.state_dict()
     assert {"mean", "count", "squared_mean", "squared_mean_steps"} <= set(state[0])
     assert state[0]["squared_mean_steps"] == steps
+
+
+def test_the_window_is_read_from_each_optimizers_own_decay_zero_included():
+    from gradshare.second_moment import _window
+    assert _window("rmsprop", {"alpha": 0.0, "betas": (0.9, 0.5)})(3) == (1.0, 1.0)   # alpha, even when 0
+    assert _window("adadelta", {"rho": 0.0})(2) == (1.0, 1.0)
+    assert _window("adam", {"betas": (0.9, 0.5)})(2) == (0.5, 0.75)
+    assert _window("adagrad", {}) is None

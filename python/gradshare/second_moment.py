@@ -158,7 +158,7 @@ def _window(kind: str, group: Dict[str, Any]) -> Optional[Callable[[int], Tuple[
         return lambda k: (float(k) ** decay, 1.0)
     if kind == "adagrad":
         return None
-    b = float({"rmsprop": group.get("alpha"), "adadelta": group.get("rho")}.get(kind) or group["betas"][1])
+    b = float(group["alpha"] if kind == "rmsprop" else group["rho"] if kind == "adadelta" else group["betas"][1])
     return lambda k: (1.0 - b, 1.0 - b ** k)
 
 

@@ -521,7 +521,7 @@ class Sharing:
         instead of a change, so that the exchange stops every rank (NonFiniteStepError, naming the element).
         With ``delay=1`` (:meth:`_share_updates_late`) the mean applied is the previous step's. ``buckets``: only
         those (a fragment of the model, gradshare.averaging's streaming rounds). ``joined``: this rank is out of
-        inputs under ``DDP.join()`` and its optimizer did not step; it shares a zero update (its residual still
+        inputs under torch's ``Join`` (``DDP.join()``, SharedOptimizer) and its optimizer did not step; it shares a zero update (its residual still
         goes out) and applies the same mean as the ranks still training."""
         if self.delay:
             return self._share_updates_late(share_grads, joined)
