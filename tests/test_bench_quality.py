@@ -14,3 +14,32 @@ def test_contenders_split_on_commas_outside_brackets_or_on_semicolons():
     assert quality.split_contenders(f"ddp,{one},gradshare") == ["ddp", one, "gradshare"]
     assert quality.split_contenders("ddp;la:{'frequency':4}") == ["ddp", "la:{'frequency':4}"]
     assert quality.split_contenders("ddp,,gradshare") == ["ddp", "gradshare"]
+
+
+def test_the_regression_workload_is_judged_by_squared_error_to_noiseless_targets():
+    import torch
+
+    workloads = pytest.importorskip("workloads")
+    data = workloads.Data("regression", seed=0)
+    x0, y0 = data.batch(5, rank=0, world=2, size=32)
+    x1, _ = data.batch(5, rank=1, world=2, size=32)
+    assert x0.shape == (32, 16) and y0.shape == (32, 4)
+    assert not torch.equal(x0, x1)                                   # each rank its own samples
+    assert torch.equal(data.batch(5, 0, 2, 32)[0], x0)               # the same on every run
+    assert not torch.equal(workloads.Data("regression", seed=1).batch(5, 0, 2, 32)[0], x0)
+    noise = y0 - x0 @ data.map
+    assert 0.05 < float(noise.std()) < 0.2                           # targets carry noise 0.1
+    assert float(data.loss(x0 @ data.map, y0)) == pytest.approx(float((noise ** 2).mean()))
+
+    class Exact(torch.nn.Module):                                    # the map itself: no error left to judge
+        def forward(self, x):
+            return x @ data.map
+
+    class Zero(torch.nn.Module):
+        def forward(self, x):
+            return torch.zeros(len(x), 4)
+
+    assert data.evaluate(Exact()) < 1e-10
+    assert data.evaluate(Zero()) == pytest.approx(float((data.valid[1] ** 2).mean()))
+    model = workloads.WORKLOADS["regression"].model()
+    assert sum(p.numel() for p in model.parameters()) == 16 * 256 + 256 + 256 * 256 + 256 + 256 * 4 + 4

@@ -56,7 +56,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from gradshare import comm
+from gradshare import comm, momentum_masking as masking
 from gradshare._deprecation import RenamedAttribute, renamed_kwargs
 from gradshare.comm import NonFiniteStepError
 from gradshare.sharing import Bucket, Sharing, SharingFront
@@ -100,6 +100,10 @@ class ThresholdState(SharingFront):
         delay: 0 (default) or 1, with ``optimizer=``: each step's shared update is applied at the end of the
             next ``opt.step()``, so that its exchange travels while that step computes (gradshare.sharing;
             compresses every step). ``state.flush()`` applies the last one, e.g. before evaluating.
+        momentum_masking: False (default) or True, with ``optimizer=`` torch.optim.SGD with momentum (of several
+            optimizers, the SGD ones): its momentum is zeroed where an element that waited in the residual is
+            sent the other way from its last send (gradshare.momentum_masking). For gradients with little noise
+            (regression), where SGD's momentum otherwise swings the waiting elements and the loss stalls.
         threshold: the former name of ``compression`` (deprecated).
     """
 
@@ -108,7 +112,7 @@ class ThresholdState(SharingFront):
                  nonfinite: str = "raise", *, average: bool = True, fallback: str = "auto",
                  stats: Optional[Statistics] = None, momentum: Optional[float] = None,
                  optimizer: Any = None, bucket_cap_mb: float = 25.0,
-                 link: Any = "auto", scaler: Optional[Any] = None, delay: int = 0):
+                 link: Any = "auto", scaler: Optional[Any] = None, delay: int = 0, momentum_masking: bool = False):
         optimizers = _optimizers(optimizer)
         optimizer = optimizers[0] if optimizers else None
         if len(optimizers) > 1 and delay:
@@ -129,7 +133,9 @@ class ThresholdState(SharingFront):
                                reduce="mean" if average else "sum",
                                nonfinite="skip" if self.scaler is not None else nonfinite, fallback=fallback,
                                stats=stats, momentum=momentum, clipping=clip,
-                               mode="updates" if optimizer is not None else "gradients", link=link, delay=delay)
+                               mode="updates" if optimizer is not None else "gradients", link=link, delay=delay,
+                               momentum_masking=momentum_masking and (masking.applies(optimizer) or not any(
+                                   masking.applies(o) for o in optimizers)))
         self.optimizer = optimizer                 # the first optimizer given: its core decides the path
         self.optimizers = optimizers
         self.sharings: List[Sharing] = [self.sharing]
@@ -154,7 +160,7 @@ class ThresholdState(SharingFront):
             sh = self.sharing if i == 0 else Sharing(
                 compression, optimizer=opt, process_group=process_group, reduce="mean" if average else "sum",
                 nonfinite=nonfinite, fallback=fallback, stats=self.sharing.stats, clipping=clip, mode="updates",
-                link=None)
+                link=None, momentum_masking=momentum_masking and masking.applies(opt))
             sh.build((p for g in opt.param_groups for p in g["params"]), bucket_cap_mb)
             if i:
                 first = sum(len(c.buckets) for c in self.sharings)

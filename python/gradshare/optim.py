@@ -84,6 +84,10 @@ class SharedOptimizer(SharingFront, WrappedOptimizer, Joinable):
         delay: 0 (default) or 1: each step's shared update is applied at the end of the next step, so that
             its exchange travels while that step computes (DL4J's asynchronous flavour; "updates" mode,
             compressing every step). Call ``opt.flush()`` to apply the last one, e.g. before evaluating.
+        momentum_masking: False (default) or True, for an inner torch.optim.SGD with momentum in "updates" mode:
+            its momentum is zeroed where an element that waited in the residual is sent the other way from its
+            last send (gradshare.momentum_masking). For gradients with little noise (regression), where SGD's
+            momentum otherwise swings the waiting elements and the loss stalls.
         threshold: the former name of ``compression`` (deprecated).
 
     It is a torch.optim.Optimizer over the inner optimizer's ``param_groups`` and ``state`` (the same objects):
@@ -97,7 +101,8 @@ class SharedOptimizer(SharingFront, WrappedOptimizer, Joinable):
     def __init__(self, optimizer: torch.optim.Optimizer, mode: str = "updates", compression: Any = None,
                  clipping: Any = _DEFAULT, process_group=None, nonfinite: str = "raise", *, reduce: str = "mean",
                  bucket_cap_mb: float = 25.0, fallback: str = "auto", stats: Optional[Statistics] = None,
-                 momentum: Optional[float] = None, link: Any = "auto", delay: int = 0):
+                 momentum: Optional[float] = None, link: Any = "auto", delay: int = 0,
+                 momentum_masking: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
         if momentum is not None:
@@ -118,7 +123,7 @@ class SharedOptimizer(SharingFront, WrappedOptimizer, Joinable):
         clip = ResidualClipping() if clipping is _DEFAULT else clipping
         self.sharing = Sharing(compression, optimizer=optimizer, process_group=process_group, reduce=reduce,
                                nonfinite=nonfinite, fallback=fallback, stats=stats, momentum=momentum,
-                               clipping=clip, mode=mode, link=link, delay=delay)
+                               clipping=clip, mode=mode, link=link, delay=delay, momentum_masking=momentum_masking)
         self.sharing.build((p for g in optimizer.param_groups for p in g["params"]), bucket_cap_mb)
 
     # -- gradshare state -------------------------------------------------------------------------------

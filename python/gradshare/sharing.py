@@ -12,7 +12,8 @@ What is shared each step:
   is the user's, unchanged: its learning rate, momentum (Nesterov too), weight decay, Adam moments and
   any scheduler act as they would alone, on the local gradient, and what is shared is what it decided.
   For SGD with momentum this is Deep Gradient Compression's momentum correction (the residual
-  accumulates velocity-driven updates, not raw gradients); for Adam it avoids feeding the second moment
+  accumulates velocity-driven updates, not raw gradients; its factor masking, for the elements that waited and
+  swung back, with ``momentum_masking=True``: gradshare.momentum_masking); for Adam it avoids feeding the second moment
   gradients that arrive in rare large bursts. Optimizer state stays local (it differs between ranks);
   parameters stay bitwise identical. With plain or momentum SGD and nothing held back, the mean of the
   ranks' updates is exactly the synchronous step.
@@ -60,7 +61,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from gradshare import comm, optimizer_state, second_moment
+from gradshare import comm, momentum_masking as masking, optimizer_state, second_moment
 from gradshare.comm import ExchangeResult, NonFiniteStepError, exchange_async
 from gradshare.compression import Compression, as_compression, for_optimizer
 from gradshare.costmodel import Link, ring_allreduce_bytes
@@ -101,6 +102,7 @@ class Bucket:
         self.snapshot: Optional[torch.Tensor] = None          # parameters before the local step (updates)
         self.mean: Optional[torch.Tensor] = None              # delay=1: the decoded mean still to be applied
         self.launched: Optional[torch.Tensor] = None          # an overlapped round: the parameters at its launch
+        self.last_sent: Optional[torch.Tensor] = None         # int8 per element: gradshare.momentum_masking
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -250,12 +252,16 @@ class Sharing:
             compression, mean reduce and fallback; None: always compress; a LinkAware: use it (updates).
         delay: 0 (default) or 1: each step's mean update applied at the end of the next step, its exchange
             overlapping that step (module docstring). Sharing updates only; it compresses every step (no link).
+        momentum_masking: sharing the updates of torch.optim.SGD with momentum: zero its momentum where an
+            element that waited in the residual is sent the other way from its last send
+            (gradshare.momentum_masking; for gradients with little noise, where it keeps SGD from stalling).
     """
 
     def __init__(self, compression: Any = None, *, optimizer: Optional[torch.optim.Optimizer] = None,
                  process_group=None, reduce: str = "mean", nonfinite: str = "raise", fallback: str = "auto",
                  stats: Optional[Statistics] = None, momentum: Optional[float] = None, clipping=None,
-                 mode: str = "gradients", residual_decay: float = 1.0, link: Any = "auto", delay: int = 0):
+                 mode: str = "gradients", residual_decay: float = 1.0, link: Any = "auto", delay: int = 0,
+                 momentum_masking: bool = False):
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite: expected 'raise' or 'skip', got {nonfinite!r}")
         if reduce not in REDUCE:
@@ -269,6 +275,12 @@ class Sharing:
         if delay and mode != "updates":
             raise ValueError("delay=1 applies the shared updates a step late: it needs mode=\"updates\" (an "
                              "optimizer), gradients must be averaged before the optimizer steps")
+        if momentum_masking and not (mode == "updates" and masking.applies(optimizer)):
+            raise ValueError("momentum_masking=True masks torch.optim.SGD's momentum where updates are shared (an "
+                             f"SGD optimizer given), not {type(optimizer).__name__} in {mode} mode; sharing "
+                             "gradients, momentum= masks gradshare's own velocity")
+        if momentum_masking and delay:
+            raise ValueError("momentum_masking=True needs what each step sent before its next step: use delay=0")
         if delay and isinstance(link, LinkAware):
             raise ValueError("delay=1 compresses every step: it cannot be combined with a LinkAware (pass link=None)")
         self.delay = int(delay)
@@ -281,6 +293,8 @@ class Sharing:
         # leave the optimizer's state as it is.
         self.global_second_moment = mode == "updates" and second_moment.applies(optimizer)
         self.rescale = second_moment.GlobalBatchStep(optimizer if self.global_second_moment else None)
+        # SGD's momentum masked where an element that waited swung back (gradshare.momentum_masking).
+        self.masking = masking.MomentumMasking(optimizer) if momentum_masking else None
         chosen = as_compression(compression, clipping)
         self.compression = chosen or for_optimizer(optimizer)
         self.process_group = process_group
@@ -527,12 +541,16 @@ class Sharing:
             return self._share_updates_late(share_grads, joined)
         bs = self.buckets if buckets is None else list(buckets)
         items = [(b, d, d) for b, d in zip(bs, self._deltas(share_grads, bs, joined))]
+        watched = (self.masking.before(bs, [d for _, d, _ in items])
+                   if self.masking is not None and outer is None and not (share_grads or joined) else None)
         try:
             results = self.run(items)
         except BaseException:
             self.restore_params(bs)
             raise
         ok = self.finish(results)
+        if ok and watched:
+            self.masking.after(watched)
         self._apply_mean(bs, [b.flat for b in bs], ok, outer)
         self.link_step_ended()
         return ok
@@ -855,13 +873,15 @@ class Sharing:
 
     # ----------------------------------------------------------------------------------------- state
     def state_dict(self) -> Dict[str, Any]:
-        """Residuals, velocities and policy state per bucket, the step counter and statistics totals (with
+        """Residuals, velocities, policy state and the signs last sent (gradshare.momentum_masking) per bucket, the step
+        counter and statistics totals (with
         delay=1 after the update in flight has landed, and its mean, not applied yet)."""
         late = self._late_means()               # first: landing commits residuals and counts the step
         return {"step": self.step, "stats": self.stats.state_dict(),
                 "compression": self.compression.config(),
                 "buckets": [{"n": b.n, "residual": b.residual.detach().cpu().clone(),
                              "velocity": None if b.velocity is None else b.velocity.detach().cpu().clone(),
+                             "last sent": None if b.last_sent is None else b.last_sent.detach().cpu().clone(),
                              "compression": b.compression.state_dict()} for b in self.buckets],
                 "link": None if self.link is None else self.link.state_dict(),
                 "states equal": self._consistent, "delay": self.delay, "late mean": late,
@@ -892,6 +912,8 @@ class Sharing:
                 b.velocity.zero_()
                 if s.get("velocity") is not None:
                     b.velocity.copy_(s["velocity"])
+            last = s.get("last sent")
+            b.last_sent = None if last is None else last.to(device=b.device, dtype=torch.int8).clone()
         self.step = int(state["step"])
         self.stats.load_state_dict(state["stats"])
         self.step_skipped = False
