@@ -65,6 +65,23 @@ def test_off_by_default_and_refused_where_it_cannot_apply():
     assert [sh.masking is not None for sh in state.sharings] == [False, True]   # the SGD one of several
 
 
+def test_the_signs_last_sent_round_trip_and_a_damaged_entry_is_refused():
+    params = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2))]
+    sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    sharing = Sharing(optimizer=sgd, mode="updates", momentum_masking=True, link=None)
+    (bucket,) = sharing.build(params)
+    bucket.last_sent = torch.tensor([2, -1, 0, 1, -2], dtype=torch.int8)
+    saved = sharing.state_dict()
+    bucket.last_sent = None
+    sharing.load_state_dict(saved)
+    assert bucket.last_sent.tolist() == [2, -1, 0, 1, -2]
+    for bad in (torch.zeros(4, dtype=torch.int8), [2, -1, 0, 1, -2]):
+        saved["buckets"][0]["last sent"] = bad
+        with pytest.raises(ValueError, match="signs last sent should be a tensor of 5 elements"):
+            sharing.load_state_dict(saved)
+    assert bucket.last_sent.tolist() == [2, -1, 0, 1, -2]          # nothing loaded from a refused checkpoint
+
+
 # ------------------------------------------------------------------------------------------ training
 def _regression_batch(rank, step):
     g = torch.Generator().manual_seed(1000 * step + rank)

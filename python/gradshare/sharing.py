@@ -873,9 +873,9 @@ class Sharing:
 
     # ----------------------------------------------------------------------------------------- state
     def state_dict(self) -> Dict[str, Any]:
-        """Residuals, velocities, policy state and the signs last sent (gradshare.momentum_masking) per bucket, the step
-        counter and statistics totals (with
-        delay=1 after the update in flight has landed, and its mean, not applied yet)."""
+        """Residuals, velocities, policy state and the signs last sent (gradshare.momentum_masking) per bucket,
+        the step counter and statistics totals (with delay=1 after the update in flight has landed, and its
+        mean, not applied yet)."""
         late = self._late_means()               # first: landing commits residuals and counts the step
         return {"step": self.step, "stats": self.stats.state_dict(),
                 "compression": self.compression.config(),
@@ -905,6 +905,11 @@ class Sharing:
         for b, s in zip(self.buckets, saved):
             if int(s["n"]) != b.n:
                 raise ValueError(f"load_state_dict: bucket {b.index} has {b.n} elements, the checkpoint {s['n']}")
+            last = s.get("last sent")
+            if last is not None and (not torch.is_tensor(last) or last.numel() != b.n):
+                held = f"{last.numel()} elements" if torch.is_tensor(last) else type(last).__name__
+                raise ValueError(f"load_state_dict: bucket {b.index}'s signs last sent should be a tensor of {b.n} "
+                                 f"elements, the checkpoint holds {held}")
         for b, s in zip(self.buckets, saved):
             b.residual.copy_(s["residual"])
             b.compression.load_state_dict(s["compression"])
@@ -913,7 +918,7 @@ class Sharing:
                 if s.get("velocity") is not None:
                     b.velocity.copy_(s["velocity"])
             last = s.get("last sent")
-            b.last_sent = None if last is None else last.to(device=b.device, dtype=torch.int8).clone()
+            b.last_sent = None if last is None else last.reshape(-1).to(device=b.device, dtype=torch.int8).clone()
         self.step = int(state["step"])
         self.stats.load_state_dict(state["stats"])
         self.step_skipped = False
