@@ -5,7 +5,7 @@ largest. While it waits its parameter does not move, so the gradient the optimiz
 after step, and SGD's momentum fills with it. Where gradients carry little noise (least squares, fine-tuning
 close to a minimum) every element's update builds up like this; the one finally sent overshoots, and the
 momentum, full of the stale gradient, keeps pushing: the element swings from side to side and the loss stalls
-(the quality table's ``regression``: 3.7x DDP's error without this, within 5% with it). Classification workloads
+(the quality table's ``regression``: 3.7x DDP's error without this, within 8% with it). Classification workloads
 hide it: most of their gradient is noise that cancels in the residual.
 
 The sign of such a swing: an element sent after waiting whose update has the opposite sign of the one it sent
