@@ -27,7 +27,8 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-CONTENDERS = ("ddp", "gradshare", "gradshare_optimizer", "gradshare_hook_gradients", "gradshare_hook_momentum")
+CONTENDERS = ("ddp", "gradshare", "gradshare_optimizer", "gradshare_hook_gradients", "gradshare_hook_momentum",
+              "gradshare_unmasked")
 DESCRIPTIONS = {
     "ddp": "DDP allreduce",
     "gradshare": "DDP + threshold_hook, ThresholdState(optimizer=opt) (updates shared; the README's one line)",
@@ -35,6 +36,8 @@ DESCRIPTIONS = {
     "gradshare_hook_gradients": "DDP + threshold_hook, ThresholdState() (gradients shared)",
     "gradshare_hook_momentum": "DDP + threshold_hook, ThresholdState(momentum=0.9), SGD without momentum "
                                "(gradients shared; Deep Gradient Compression's momentum correction)",
+    "gradshare_unmasked": "DDP + threshold_hook, ThresholdState(optimizer=opt, momentum_masking=False) (what "
+                          "gradshare.momentum_masking costs a step)",
 }
 
 
@@ -70,6 +73,9 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.0 if name == "gradshare_hook_momentum" else 0.9)
         if name == "gradshare":
             ddp.register_comm_hook(gs.ThresholdState(optimizer=opt, **sharing_kwargs()), gs.threshold_hook)
+        elif name == "gradshare_unmasked":
+            ddp.register_comm_hook(gs.ThresholdState(optimizer=opt, momentum_masking=False, **sharing_kwargs()),
+                                   gs.threshold_hook)
         elif name == "gradshare_hook_gradients":
             ddp.register_comm_hook(gs.ThresholdState(**sharing_kwargs()), gs.threshold_hook)
         elif name == "gradshare_hook_momentum":

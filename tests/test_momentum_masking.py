@@ -48,21 +48,34 @@ def test_masks_only_the_momentum_of_elements_that_waited_and_swung_back():
     assert buffers() == [1, 0, 1, 1] and bucket.last_sent.tolist() == [-2, -2, 2, 2]
 
 
-def test_off_by_default_and_refused_where_it_cannot_apply():
+def test_on_where_it_applies_and_refused_where_asked_for_and_it_cannot_apply():
     p = [nn.Parameter(torch.zeros(3))]
     sgd = torch.optim.SGD(p, lr=0.1, momentum=0.9)
-    assert Sharing(optimizer=sgd, mode="updates").masking is None
-    assert Sharing(optimizer=sgd, mode="updates", momentum_masking=True).masking is not None
-    assert gradshare.SharedOptimizer(sgd, momentum_masking=True, link=None).sharing.masking is not None
-    for kwargs in (dict(optimizer=torch.optim.AdamW(p), mode="updates"), dict(optimizer=sgd, mode="gradients"),
-                   dict(optimizer=sgd, mode="updates", delay=1, link=None)):
+    assert Sharing(optimizer=sgd, mode="updates").masking is not None                     # the default
+    assert Sharing(optimizer=sgd, mode="updates", momentum_masking=False).masking is None
+    assert gradshare.SharedOptimizer(sgd, link=None).sharing.masking is not None
+    assert gradshare.ThresholdState(optimizer=sgd).sharing.masking is not None
+    # Not where it cannot apply: another optimizer, gradients shared, a step late
+    off = (dict(optimizer=torch.optim.AdamW(p), mode="updates"), dict(optimizer=sgd, mode="gradients"),
+           dict(optimizer=sgd, mode="updates", delay=1, link=None))
+    for kwargs in off:
+        assert Sharing(**kwargs).masking is None
         with pytest.raises(ValueError, match="momentum_masking"):
             Sharing(momentum_masking=True, **kwargs)
+    # With nothing held back nothing waits, so there is nothing to mask: off unless asked for (a no-op then)
+    assert Sharing(optimizer=sgd, mode="updates", compression=Dense()).masking is None
+    assert Sharing(optimizer=sgd, mode="updates", compression=Dense(), momentum_masking=True).masking is not None
+    with pytest.raises(ValueError, match="momentum_masking: expected None"):
+        Sharing(optimizer=sgd, mode="updates", momentum_masking="yes")
     with pytest.raises(ValueError, match="momentum_masking=True masks torch.optim.SGD's momentum"):
         gradshare.ThresholdState(optimizer=torch.optim.Adam(p), momentum_masking=True)
+    assert gradshare.ThresholdState().sharing.masking is None                            # gradients mode
     adam, sgd2 = torch.optim.Adam([nn.Parameter(torch.zeros(2))]), torch.optim.SGD(p, lr=0.1, momentum=0.9)
-    state = gradshare.ThresholdState(optimizer=[adam, sgd2], momentum_masking=True, link=None)
-    assert [sh.masking is not None for sh in state.sharings] == [False, True]   # the SGD one of several
+    for asked in (None, True):
+        state = gradshare.ThresholdState(optimizer=[adam, sgd2], momentum_masking=asked, link=None)
+        assert [sh.masking is not None for sh in state.sharings] == [False, True]   # the SGD one of several
+    state = gradshare.ThresholdState(optimizer=[adam, sgd2], momentum_masking=False, link=None)
+    assert [sh.masking is not None for sh in state.sharings] == [False, False]
 
 
 def test_the_signs_last_sent_round_trip_and_a_damaged_entry_is_refused():
@@ -97,7 +110,8 @@ def _regression_net():
 
 def _fit(kind, steps=300, start=0, ckpt=None, save_at=None, compression=None):
     """SGD with momentum on a least-squares fit with little gradient noise: DDP, or the hook sharing updates
-    (TopK 2%, compressed every step) with (``masked``) or without (``plain``) momentum_masking."""
+    (TopK 2%, compressed every step) with its default masking (``masked``), with momentum_masking=True
+    (``asked``) or with momentum_masking=False (``plain``)."""
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     rank = dist.get_rank()
@@ -107,7 +121,7 @@ def _fit(kind, steps=300, start=0, ckpt=None, save_at=None, compression=None):
     state = None
     if kind != "ddp":
         state = gradshare.ThresholdState(optimizer=opt, compression=compression or TopK(0.02), link=None,
-                                         momentum_masking=kind == "masked")
+                                         momentum_masking={"masked": None, "asked": True}.get(kind, False))
         net.register_comm_hook(state, gradshare.threshold_hook)
     objects = (model, opt) + ((state,) if state is not None else ())
     if ckpt is not None:
@@ -161,7 +175,7 @@ def test_a_checkpoint_holds_the_signs_last_sent_and_resumes_exactly():
 
 
 def _dense_pair():
-    return [_fit(k, steps=40, compression=Dense()) for k in ("masked", "plain")]
+    return [_fit(k, steps=40, compression=Dense()) for k in ("asked", "plain")]
 
 
 @pytest.mark.slow

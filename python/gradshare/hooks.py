@@ -100,10 +100,11 @@ class ThresholdState(SharingFront):
         delay: 0 (default) or 1, with ``optimizer=``: each step's shared update is applied at the end of the
             next ``opt.step()``, so that its exchange travels while that step computes (gradshare.sharing;
             compresses every step). ``state.flush()`` applies the last one, e.g. before evaluating.
-        momentum_masking: False (default) or True, with ``optimizer=`` torch.optim.SGD with momentum (of several
-            optimizers, the SGD ones): its momentum is zeroed where an element that waited in the residual is
-            sent the other way from its last send (gradshare.momentum_masking). For gradients with little noise
-            (regression), where SGD's momentum otherwise swings the waiting elements and the loss stalls.
+        momentum_masking: with ``optimizer=`` torch.optim.SGD (of several optimizers, the SGD ones), its momentum
+            is zeroed where an element that waited in the residual is sent the other way from its last send: the
+            residual's stale push, which otherwise swings the waiting elements where gradients carry little
+            noise (regression) and stalls the loss (gradshare.momentum_masking). None (default): where it
+            applies; False: off; True: refused where it cannot apply.
         threshold: the former name of ``compression`` (deprecated).
     """
 
@@ -112,7 +113,8 @@ class ThresholdState(SharingFront):
                  nonfinite: str = "raise", *, average: bool = True, fallback: str = "auto",
                  stats: Optional[Statistics] = None, momentum: Optional[float] = None,
                  optimizer: Any = None, bucket_cap_mb: float = 25.0,
-                 link: Any = "auto", scaler: Optional[Any] = None, delay: int = 0, momentum_masking: bool = False):
+                 link: Any = "auto", scaler: Optional[Any] = None, delay: int = 0,
+                 momentum_masking: Optional[bool] = None):
         optimizers = _optimizers(optimizer)
         optimizer = optimizers[0] if optimizers else None
         if len(optimizers) > 1 and delay:

@@ -84,10 +84,11 @@ class SharedOptimizer(SharingFront, WrappedOptimizer, Joinable):
         delay: 0 (default) or 1: each step's shared update is applied at the end of the next step, so that
             its exchange travels while that step computes (DL4J's asynchronous flavour; "updates" mode,
             compressing every step). Call ``opt.flush()`` to apply the last one, e.g. before evaluating.
-        momentum_masking: False (default) or True, for an inner torch.optim.SGD with momentum in "updates" mode:
-            its momentum is zeroed where an element that waited in the residual is sent the other way from its
-            last send (gradshare.momentum_masking). For gradients with little noise (regression), where SGD's
-            momentum otherwise swings the waiting elements and the loss stalls.
+        momentum_masking: for an inner torch.optim.SGD in "updates" mode, its momentum is zeroed where an
+            element that waited in the residual is sent the other way from its last send: the residual's stale
+            push, which otherwise swings the waiting elements where gradients carry little noise (regression)
+            and stalls the loss (gradshare.momentum_masking). None (default): where it applies; False: off;
+            True: refused where it cannot apply.
         threshold: the former name of ``compression`` (deprecated).
 
     It is a torch.optim.Optimizer over the inner optimizer's ``param_groups`` and ``state`` (the same objects):
@@ -102,7 +103,7 @@ class SharedOptimizer(SharingFront, WrappedOptimizer, Joinable):
                  clipping: Any = _DEFAULT, process_group=None, nonfinite: str = "raise", *, reduce: str = "mean",
                  bucket_cap_mb: float = 25.0, fallback: str = "auto", stats: Optional[Statistics] = None,
                  momentum: Optional[float] = None, link: Any = "auto", delay: int = 0,
-                 momentum_masking: bool = False):
+                 momentum_masking: Optional[bool] = None):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
         if momentum is not None:

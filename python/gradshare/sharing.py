@@ -12,8 +12,8 @@ What is shared each step:
   is the user's, unchanged: its learning rate, momentum (Nesterov too), weight decay, Adam moments and
   any scheduler act as they would alone, on the local gradient, and what is shared is what it decided.
   For SGD with momentum this is Deep Gradient Compression's momentum correction (the residual
-  accumulates velocity-driven updates, not raw gradients; its factor masking, for the elements that waited and
-  swung back, with ``momentum_masking=True``: gradshare.momentum_masking); for Adam it avoids feeding the second moment
+  accumulates velocity-driven updates, not raw gradients; its factor masking, for the elements that waited
+  and swung back, on by default: gradshare.momentum_masking); for Adam it avoids feeding the second moment
   gradients that arrive in rare large bursts. Optimizer state stays local (it differs between ranks);
   parameters stay bitwise identical. With plain or momentum SGD and nothing held back, the mean of the
   ranks' updates is exactly the synchronous step.
@@ -63,7 +63,7 @@ import torch.distributed as dist
 
 from gradshare import comm, momentum_masking as masking, optimizer_state, second_moment
 from gradshare.comm import ExchangeResult, NonFiniteStepError, exchange_async
-from gradshare.compression import Compression, as_compression, for_optimizer
+from gradshare.compression import Compression, Dense, as_compression, for_optimizer
 from gradshare.costmodel import Link, ring_allreduce_bytes
 from gradshare.link import ALLREDUCE, LinkAware
 from gradshare.stats import Statistics, StepRecord, residual_norm
@@ -252,16 +252,17 @@ class Sharing:
             compression, mean reduce and fallback; None: always compress; a LinkAware: use it (updates).
         delay: 0 (default) or 1: each step's mean update applied at the end of the next step, its exchange
             overlapping that step (module docstring). Sharing updates only; it compresses every step (no link).
-        momentum_masking: sharing the updates of torch.optim.SGD with momentum: zero its momentum where an
-            element that waited in the residual is sent the other way from its last send
-            (gradshare.momentum_masking; for gradients with little noise, where it keeps SGD from stalling).
+        momentum_masking: sharing the updates of torch.optim.SGD: zero its momentum where an element that waited
+            in the residual is sent the other way from its last send (gradshare.momentum_masking). None
+            (default): where it applies (SGD, updates, a compression that holds something back, ``delay=0``);
+            True: the same, refused where it cannot apply; False: off.
     """
 
     def __init__(self, compression: Any = None, *, optimizer: Optional[torch.optim.Optimizer] = None,
                  process_group=None, reduce: str = "mean", nonfinite: str = "raise", fallback: str = "auto",
                  stats: Optional[Statistics] = None, momentum: Optional[float] = None, clipping=None,
                  mode: str = "gradients", residual_decay: float = 1.0, link: Any = "auto", delay: int = 0,
-                 momentum_masking: bool = False):
+                 momentum_masking: Optional[bool] = None):
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite: expected 'raise' or 'skip', got {nonfinite!r}")
         if reduce not in REDUCE:
@@ -275,6 +276,9 @@ class Sharing:
         if delay and mode != "updates":
             raise ValueError("delay=1 applies the shared updates a step late: it needs mode=\"updates\" (an "
                              "optimizer), gradients must be averaged before the optimizer steps")
+        if momentum_masking not in (None, True, False):
+            raise ValueError("momentum_masking: expected None (where it applies), True or False, got "
+                             f"{momentum_masking!r}")
         if momentum_masking and not (mode == "updates" and masking.applies(optimizer)):
             raise ValueError("momentum_masking=True masks torch.optim.SGD's momentum where updates are shared (an "
                              f"SGD optimizer given), not {type(optimizer).__name__} in {mode} mode; sharing "
@@ -293,10 +297,13 @@ class Sharing:
         # leave the optimizer's state as it is.
         self.global_second_moment = mode == "updates" and second_moment.applies(optimizer)
         self.rescale = second_moment.GlobalBatchStep(optimizer if self.global_second_moment else None)
-        # SGD's momentum masked where an element that waited swung back (gradshare.momentum_masking).
-        self.masking = masking.MomentumMasking(optimizer) if momentum_masking else None
         chosen = as_compression(compression, clipping)
         self.compression = chosen or for_optimizer(optimizer)
+        # SGD's momentum masked where an element that waited swung back (gradshare.momentum_masking): by default
+        # wherever a compression holds updates back (with Dense nothing waits, so nothing would be masked).
+        wanted = (mode == "updates" and masking.applies(optimizer) and not delay
+                  and not isinstance(self.compression, Dense)) if momentum_masking is None else momentum_masking
+        self.masking = masking.MomentumMasking(optimizer) if wanted else None
         self.process_group = process_group
         self.reduce = reduce
         self.nonfinite = nonfinite
