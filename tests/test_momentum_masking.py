@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradshare
-from gradshare import momentum_masking
+from gradshare import momentum_masking, ops
 from gradshare.compression import Dense, TopK
 from gradshare.sharing import Bucket, Sharing
 from gradshare.workers import run_local
@@ -22,7 +22,7 @@ def _bucket_and_sgd():
     opt = torch.optim.SGD([a, b], lr=0.1, momentum=0.9)
     for p in (a, b):
         opt.state[p]["momentum_buffer"] = torch.ones(2)
-    return Bucket(0, [a, b], TopK()), opt, (a, b)
+    return Bucket(0, [a, b], Dense()), opt, (a, b)      # not top-k: sends read from the residual
 
 
 def _exchange(masking, bucket, update, sent):
@@ -30,7 +30,45 @@ def _exchange(masking, bucket, update, sent):
     watched = masking.before([bucket], [update])
     chosen_from = watched[0][1]
     bucket.residual = torch.where(torch.tensor(sent), torch.full_like(chosen_from, 1e-3), chosen_from)
-    masking.after(watched)
+    masking.after(watched, [])
+
+
+class _Sent:
+    def __init__(self, message):
+        self.message = message
+
+
+@pytest.mark.parametrize("values", ["int8", "bf16"])
+def test_a_topk_message_names_the_sends_the_residual_shows(values):
+    # The top-k path reads each step's sends from the rank's own message and touches only them; the general
+    # path compares the kept residual with residual + update. Same masks, same signs, step after step.
+    torch.manual_seed(0)
+    sets = [[nn.Parameter(torch.zeros(300)), nn.Parameter(torch.zeros(212))] for _ in range(2)]
+    opts = [torch.optim.SGD(ps, lr=0.1, momentum=0.9) for ps in sets]
+    for opt, ps in zip(opts, sets):
+        for p in ps:
+            opt.state[p]["momentum_buffer"] = torch.ones(p.numel())
+    by_message, by_residual = Bucket(0, sets[0], TopK()), Bucket(0, sets[1], Dense())
+    masks = [momentum_masking.MomentumMasking(o) for o in opts]
+    residual = torch.zeros(512)
+    for step in range(40):
+        update = torch.randn(512) * (1 + (step % 3))
+        kept = torch.empty(512)
+        message = ops.encode_topk(update, residual, 16, chunk=128, values=values, kept=kept)
+        watched = masks[0].before([by_message], [update])
+        assert watched[0][1] is None                                  # nothing copied for top-k
+        by_message.residual = kept.clone()
+        masks[0].after(watched, [(by_message, _Sent(message))])
+        by_residual.residual = residual.clone()
+        watched = masks[1].before([by_residual], [update])
+        by_residual.residual = kept.clone()
+        masks[1].after(watched, [])
+        residual = kept
+        assert torch.equal(by_message.last_sent, by_residual.last_sent), step
+    buffers = [torch.cat([o.state[p]["momentum_buffer"] for p in ps]) for o, ps in zip(opts, sets)]
+    assert torch.equal(buffers[0], buffers[1])
+    assert 0 < int((buffers[0] == 0).sum()) < 512                     # some elements swung back, not all
+    assert set(by_message.last_sent.unique().tolist()) <= {-2, -1, 0, 1, 2}
 
 
 def test_masks_only_the_momentum_of_elements_that_waited_and_swung_back():

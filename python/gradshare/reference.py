@@ -416,6 +416,39 @@ def decode(dst: torch.Tensor, messages, scale: float = 1.0) -> None:
         flat[idx.to(dst.device)] = vals
 
 
+def _topk_entries(cpu: torch.Tensor, fmt: int, n: int):
+    """A top-k message's entries (``cpu``: its words as int64 on the CPU) as (element indices, signs of their
+    values: -1, 0 or 1), in message order."""
+    chunk, k, _, parts = _chunked_parts(cpu, fmt, n)
+    idx, sign = [torch.zeros(0, dtype=torch.long)], [torch.zeros(0, dtype=torch.long)]
+    for lo, ln, p in parts:
+        if p.shape[1] == 0:
+            continue
+        base = lo + torch.arange(p.shape[0]).view(-1, 1) * ln
+        if fmt == TOPK:
+            v = p >> 16                                  # bfloat16 bits
+            idx.append((base + (p & 0xFFFF)).reshape(-1))
+            sign.append(torch.where((v & 0x7FFF) == 0, 0, torch.where(v >= 0x8000, -1, 1)).reshape(-1))
+        else:
+            _, local, q = _topk8_fields(p, (k * ln + chunk - 1) // chunk)
+            idx.append((base + local).reshape(-1))
+            sign.append(torch.sign(q).reshape(-1))
+    return torch.cat(idx), torch.cat(sign)
+
+
+def sent_signs(row: torch.Tensor, n: int):
+    """The elements a sound top-k message moves, as (indices, int8 signs of what it sends them), on the row's
+    device; entries whose value is zero send nothing and are left out. None for a message of another format
+    (gradshare.momentum_masking reads what its rank sent from its own message)."""
+    cpu = row.cpu().long()
+    fmt = int(cpu[1])
+    if fmt not in (TOPK, TOPK8):
+        return None
+    idx, sign = _topk_entries(cpu, fmt, n)
+    moved = sign != 0
+    return idx[moved].to(row.device), sign[moved].to(device=row.device, dtype=torch.int8)
+
+
 def sent_mask(row: torch.Tensor, n: int) -> torch.Tensor:
     """Which of n elements a sound message (not a marker) sends an entry for, as a bool tensor on the row's
     device: a top-k message's selected elements (whatever value they carry), a ternary or bitmap message's
@@ -423,20 +456,16 @@ def sent_mask(row: torch.Tensor, n: int) -> torch.Tensor:
     cpu = row.cpu().long()
     fmt = int(cpu[1])
     mask = torch.zeros(n, dtype=torch.bool)
-    if fmt in msgfmt.CHUNKED:
+    if fmt in (TOPK, TOPK8):
+        mask[_topk_entries(cpu, fmt, n)[0]] = True
+    elif fmt in msgfmt.CHUNKED:
         chunk, k, _, parts = _chunked_parts(cpu, fmt, n)
         for lo, ln, p in parts:
             if p.shape[1] == 0:
                 continue
             base = lo + torch.arange(p.shape[0]).view(-1, 1) * ln
-            if fmt == TOPK:
-                idx = base + (p & 0xFFFF)
-            elif fmt == TOPK8:
-                idx = base + _topk8_fields(p, (k * ln + chunk - 1) // chunk)[1]
-            else:
-                present = ((p[:, 1:].unsqueeze(2) >> torch.arange(16)) & 1).view(p.shape[0], -1)[:, :ln].bool()
-                idx = (base + torch.arange(ln))[present]
-            mask[idx.reshape(-1)] = True
+            present = ((p[:, 1:].unsqueeze(2) >> torch.arange(16)) & 1).view(p.shape[0], -1)[:, :ln].bool()
+            mask[(base + torch.arange(ln))[present]] = True
     elif fmt == SPARSE:
         count = int(cpu[3])
         mask[cpu[HEADER_WORDS:HEADER_WORDS + count].abs() - 1] = True

@@ -557,7 +557,7 @@ class Sharing:
             raise
         ok = self.finish(results)
         if ok and watched:
-            self.masking.after(watched)
+            self.masking.after(watched, results)
         self._apply_mean(bs, [b.flat for b in bs], ok, outer)
         self.link_step_ended()
         return ok
