@@ -82,10 +82,23 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
             ddp.register_comm_hook(gs.ThresholdState(momentum=0.9, **sharing_kwargs()), gs.threshold_hook)
         return ddp, opt
 
+    # what SGD's momentum masking (gradshare.momentum_masking) takes of a step, timed where it runs: its share
+    # of a compressed step is smaller than the step times' spread between runs here
+    from gradshare.momentum_masking import MomentumMasking
+    masking_times = []
+    after = MomentumMasking.after
+
+    def timed_after(self, *a):
+        t = time.perf_counter()
+        after(self, *a)
+        masking_times.append(time.perf_counter() - t)
+
+    MomentumMasking.after = timed_after
     medians = {}
     for name in args.contenders.split(","):
         fwd, opt = setup(name)
         times = []
+        del masking_times[:]
         for i in range(args.warmup + args.steps):
             x, y = batches[i % len(batches)]
             dist.barrier()
@@ -95,6 +108,8 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
             opt.step()
             times.append(time.perf_counter() - t)
         medians[name] = statistics.median(times[args.warmup:]) * 1e3
+        if len(masking_times) == len(times):
+            medians[name + " masking"] = statistics.median(masking_times[args.warmup:]) * 1e3
     if rank == 0:
         queue.put(medians)
     del fwd, opt
@@ -133,6 +148,10 @@ def main(argv=None) -> int:
         ratios = [run[name] / run["ddp"] for run in runs]
         cells = " | ".join(f"{run[name]:.1f} ({run[name] / run['ddp']:.2f}x)" for run in runs)
         print(f"| {name} | {cells} | {statistics.median(ratios):.2f}x |")
+    for name in args.contenders.split(","):
+        if name + " masking" in runs[0]:
+            print(f"{name}: momentum masking takes " + ", ".join(f"{run[name + ' masking']:.2f}" for run in runs)
+                  + " ms of its step (median over the timed steps, per run)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": runs}, f, indent=1)

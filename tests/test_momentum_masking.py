@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradshare
-from gradshare import momentum_masking, ops
+from gradshare import momentum_masking, ops, reference
 from gradshare.compression import Dense, TopK
 from gradshare.sharing import Bucket, Sharing
 from gradshare.workers import run_local
@@ -69,6 +69,26 @@ def test_a_topk_message_names_the_sends_the_residual_shows(values):
     assert torch.equal(buffers[0], buffers[1])
     assert 0 < int((buffers[0] == 0).sum()) < 512                     # some elements swung back, not all
     assert set(by_message.last_sent.unique().tolist()) <= {-2, -1, 0, 1, 2}
+
+
+@pytest.mark.parametrize("values", ["int8", "bf16"])
+@pytest.mark.parametrize("n,chunk,k", [(1000, 128, 5), (70001, 4096, 82), (5, 4096, 1), (100, 16, 0)])
+def test_the_sends_read_from_a_message_are_what_decoding_it_moves(values, n, chunk, k):
+    # Chunks of zeros but one (selected zeros send nothing), values that round to zero beside a large one
+    # (8-bit), a shorter last chunk: the indices and signs read are the elements decoding moves, and their way.
+    torch.manual_seed(n)
+    update = torch.randn(n)
+    update[:chunk] = 0.0
+    update[min(3, n - 1)] = 2.0
+    update[chunk:2 * chunk] *= 1e-4
+    update[min(chunk + 1, n - 1)] = -50.0
+    message = ops.encode_topk(update, torch.zeros(n), k, chunk=chunk, values=values)
+    moved = torch.zeros(n)
+    ops.decode(moved, message)
+    idx, sign = reference.sent_signs(message, n)
+    assert torch.equal(idx, moved.nonzero().view(-1))
+    assert sign.dtype == torch.int8 and torch.equal(sign, moved[idx].sign().to(torch.int8))
+    assert torch.equal(reference.sent_mask(message, n)[idx], torch.ones(idx.numel(), dtype=torch.bool))
 
 
 def test_masks_only_the_momentum_of_elements_that_waited_and_swung_back():

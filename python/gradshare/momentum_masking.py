@@ -77,24 +77,27 @@ class MomentumMasking:
             self._record(b, sent, torch.sign(chosen_from[sent]).to(torch.int8))
 
     def _record(self, b, idx: torch.Tensor, sign: torch.Tensor) -> None:
-        """Elements ``idx`` were sent with ``sign``: mask those that waited and swung back, then note the send."""
+        """Elements ``idx`` (ascending) were sent with ``sign``: mask those that waited and swung back, then note
+        the send. index_select / index_copy_ rather than advanced indexing: a few times faster on the CPU, and
+        this runs at every compressed step."""
         last = b.last_sent
         cached = self._sent_last.get(id(b))
         before = cached[1] if cached is not None and cached[0] is last else (last.abs() == 2).nonzero().view(-1)
-        swung = idx[last[idx] * sign == -1]             # waited (|last| is 1), and the other way
-        last[before] = torch.sign(last[before])        # sent at the previous step -> before it
-        last[idx] = sign * 2
+        # waited (|last| is 1), and the other way
+        swung = torch.masked_select(idx, last.index_select(0, idx) * sign == -1)
+        last.index_copy_(0, before, last.index_select(0, before).sign())  # sent at the previous step -> before it
+        last.index_copy_(0, idx, sign * 2)
         self._sent_last[id(b)] = (last, idx)
         if swung.numel():
             self._mask(b, swung)
 
     def _mask(self, b, swung: torch.Tensor) -> None:
+        """Zeroes the momentum of the elements ``swung`` (ascending bucket positions), parameter by parameter."""
         state = self.optimizer.state
-        for p, off, n in zip(b.params, b.offsets, b.numels):
+        starts = torch.tensor(b.offsets, dtype=swung.dtype, device=swung.device)
+        cuts = torch.searchsorted(swung, torch.cat([starts, starts[-1:] + b.numels[-1]])).tolist()
+        for p, off, lo, hi in zip(b.params, b.offsets, cuts, cuts[1:]):
             st = state.get(p)
             buf = st.get("momentum_buffer") if st else None
-            if buf is None:
-                continue
-            here = swung[(swung >= off) & (swung < off + n)]
-            if here.numel():
-                buf.view(-1)[here - off] = 0
+            if buf is not None and hi > lo:
+                buf.view(-1).index_fill_(0, swung[lo:hi] - off, 0)

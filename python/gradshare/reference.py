@@ -349,14 +349,21 @@ def _validate_chunked(row: torch.Tensor, fmt: int, n: int, scale: float) -> None
         raise ValueError("ternary entry count does not match the header")
 
 
+def _halves(words: torch.Tensor, shifts) -> torch.Tensor:
+    """Rows of int32 words -> rows of their fields ``shifts`` bits up (16-bit halves or octets), low first, as
+    unsigned int32 (the words' order within a row kept)."""
+    width = 32 // len(shifts)
+    fields = [(words >> s) & ((1 << width) - 1) for s in shifts]
+    return torch.stack(fields, dim=2).view(words.shape[0], -1)
+
+
 def _topk8_fields(p: torch.Tensor, kc: int):
     """Rows of 8-bit top-k chunks -> (scales, local indices, int8 values), each row one chunk."""
     sc = torch.where(p[:, 0] >= 2**31, p[:, 0] - 2**32, p[:, 0]).to(torch.int32).view(torch.float32)
     iw, vw = (kc + 1) // 2, (kc + 3) // 4
-    halves = ((p[:, 1:1 + iw].unsqueeze(2) >> torch.tensor([0, 16])) & 0xFFFF).view(p.shape[0], -1)[:, :kc]
-    octets = ((p[:, 1 + iw:1 + iw + vw].unsqueeze(2) >> torch.tensor([0, 8, 16, 24])) & 0xFF).view(p.shape[0], -1)
-    q = octets[:, :kc]
-    return sc, halves, torch.where(q >= 128, q - 256, q)
+    halves = _halves(p[:, 1:1 + iw], (0, 16))[:, :kc]
+    octets = _halves(p[:, 1 + iw:1 + iw + vw], (0, 8, 16, 24))[:, :kc]
+    return sc, halves, octets.to(torch.uint8).view(torch.int8)     # the octets as two's complement
 
 
 def _apply_chunked(flat: torch.Tensor, row: torch.Tensor, fmt: int, n: int, scale: float) -> None:
@@ -416,23 +423,24 @@ def decode(dst: torch.Tensor, messages, scale: float = 1.0) -> None:
         flat[idx.to(dst.device)] = vals
 
 
-def _topk_entries(cpu: torch.Tensor, fmt: int, n: int):
-    """A top-k message's entries (``cpu``: its words as int64 on the CPU) as (element indices, signs of their
-    values: -1, 0 or 1), in message order."""
-    chunk, k, _, parts = _chunked_parts(cpu, fmt, n)
-    idx, sign = [torch.zeros(0, dtype=torch.long)], [torch.zeros(0, dtype=torch.long)]
+def _topk_entries(row: torch.Tensor, fmt: int, n: int):
+    """A top-k message's entries (``row``: its words on the CPU) as (element indices, int8 signs of their
+    values: -1, 0 or 1), in message order (ascending). gradshare.momentum_masking reads its rank's sends
+    with it at every compressed step: fields are cut with shifts and masks, no per-element branches."""
+    chunk, k, _, parts = _chunked_parts(row, fmt, n)
+    idx, sign = [torch.zeros(0, dtype=torch.long)], [torch.zeros(0, dtype=torch.int8)]
     for lo, ln, p in parts:
         if p.shape[1] == 0:
             continue
-        base = lo + torch.arange(p.shape[0]).view(-1, 1) * ln
         if fmt == TOPK:
-            v = p >> 16                                  # bfloat16 bits
-            idx.append((base + (p & 0xFFFF)).reshape(-1))
-            sign.append(torch.where((v & 0x7FFF) == 0, 0, torch.where(v >= 0x8000, -1, 1)).reshape(-1))
+            local, v = p & 0xFFFF, p >> 16                  # index, bfloat16 bits
+            s = ((v & 0x7FFF) != 0) * (1 - 2 * (v >> 15))   # 0 for +-0, else the sign bit's
         else:
             _, local, q = _topk8_fields(p, (k * ln + chunk - 1) // chunk)
-            idx.append((base + local).reshape(-1))
-            sign.append(torch.sign(q).reshape(-1))
+            s = q.sign()
+        base = lo + torch.arange(p.shape[0]).view(-1, 1) * ln
+        idx.append((base + local).view(-1))
+        sign.append(s.to(torch.int8).view(-1))
     return torch.cat(idx), torch.cat(sign)
 
 
@@ -440,13 +448,15 @@ def sent_signs(row: torch.Tensor, n: int):
     """The elements a sound top-k message moves, as (indices, int8 signs of what it sends them), on the row's
     device; entries whose value is zero send nothing and are left out. None for a message of another format
     (gradshare.momentum_masking reads what its rank sent from its own message)."""
-    cpu = row.cpu().long()
+    cpu = row.cpu()
     fmt = int(cpu[1])
     if fmt not in (TOPK, TOPK8):
         return None
     idx, sign = _topk_entries(cpu, fmt, n)
-    moved = sign != 0
-    return idx[moved].to(row.device), sign[moved].to(device=row.device, dtype=torch.int8)
+    if not bool(sign.all()):
+        moved = sign.nonzero().view(-1)
+        idx, sign = idx.index_select(0, moved), sign.index_select(0, moved)
+    return idx.to(row.device), sign.to(row.device)
 
 
 def sent_mask(row: torch.Tensor, n: int) -> torch.Tensor:
@@ -457,7 +467,7 @@ def sent_mask(row: torch.Tensor, n: int) -> torch.Tensor:
     fmt = int(cpu[1])
     mask = torch.zeros(n, dtype=torch.bool)
     if fmt in (TOPK, TOPK8):
-        mask[_topk_entries(cpu, fmt, n)[0]] = True
+        mask[_topk_entries(row.cpu(), fmt, n)[0]] = True
     elif fmt in msgfmt.CHUNKED:
         chunk, k, _, parts = _chunked_parts(cpu, fmt, n)
         for lo, ln, p in parts:
