@@ -21,6 +21,8 @@ judged by.
   targets (noise 0.1) by mean squared error, SGD lr 0.05 momentum 0.9, batch 32 fresh samples per rank; judged
   by the mean squared error to the noiseless targets on held-out inputs. Gradients with little noise, every
   parameter mattering: where the classification workloads forgive what sparse updates delay, this one does not.
+- ``regression_adam``, ``regression_adamw``: the same fit with Adam (lr 1e-3) and with AdamW (lr 3e-3, weight
+  decay 0.01).
 """
 from __future__ import annotations
 
@@ -179,6 +181,11 @@ WORKLOADS: Dict[str, Workload] = {
                              16, 300, "loss", clip=1.0),
     # least squares with little gradient noise (Data: fresh samples of a linear map every step)
     "regression": Workload("regression", RegressionMLP, _sgd(), 32, 600, "loss"),
+    # the same with Adam and with AdamW (whose first moment fills with a waiting element's stale gradient too)
+    "regression_adam": Workload("regression_adam", RegressionMLP, lambda ps: torch.optim.Adam(ps, lr=1e-3), 32, 600,
+                                "loss"),
+    "regression_adamw": Workload("regression_adamw", RegressionMLP,
+                                 lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.01), 32, 600, "loss"),
     # the same, four times longer: local steps get 60 rounds at H=20 instead of 15
     "char_lm_1200": Workload("char_lm_1200", CharLM, lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.01),
                              16, 1200, "loss"),
@@ -191,7 +198,7 @@ class Data:
 
     def __init__(self, workload: str, seed: int, data_dir: str = MNIST_DIR):
         self.workload, self.seed = workload, seed
-        if workload == "regression":
+        if workload.startswith("regression"):
             # The map is the same for every seed; the seed picks the training samples. Validation targets are
             # noiseless: the metric is the model's error, not the noise's.
             self.map = torch.randn(16, 4, generator=torch.Generator().manual_seed(7))
@@ -206,7 +213,7 @@ class Data:
             self.train, self.valid = train.tensors, test.tensors
 
     def batch(self, step: int, rank: int, world: int, size: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        if self.workload == "regression":
+        if self.workload.startswith("regression"):
             g = torch.Generator().manual_seed(self.seed * 100003 + step)
             x = torch.randn(world, size, 16, generator=g)[rank]
             noise = torch.randn(world, size, 4, generator=g)[rank]
@@ -224,7 +231,7 @@ class Data:
         return x[idx], y[idx]
 
     def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.workload == "regression":
+        if self.workload.startswith("regression"):
             return F.mse_loss(out, target)
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
@@ -232,7 +239,7 @@ class Data:
     def evaluate(self, model: nn.Module) -> float:
         was = model.training
         model.eval()
-        if self.workload == "regression":
+        if self.workload.startswith("regression"):
             x, y = self.valid
             result = float(F.mse_loss(model(x), y))
         elif self.workload.startswith("char_lm"):

@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradshare
 from gradshare import momentum_masking, ops, reference
 from gradshare.compression import Dense, TopK
+from gradshare.thresholds import TargetSparsity
 from gradshare.sharing import Bucket, Sharing
 from gradshare.workers import run_local
 from tiny_model import restore, snapshot
@@ -106,6 +107,22 @@ def test_masks_only_the_momentum_of_elements_that_waited_and_swung_back():
     assert buffers() == [1, 0, 1, 1] and bucket.last_sent.tolist() == [-2, -2, 2, 2]
 
 
+@pytest.mark.parametrize("kind", [torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam,
+                                  torch.optim.Adamax])
+def test_adams_first_moment_is_masked_where_sgds_momentum_would_be(kind):
+    a = nn.Parameter(torch.zeros(4))
+    opt = kind([a], lr=0.1)
+    opt.state[a].update(exp_avg=torch.ones(4), step=torch.tensor(3.0))
+    opt.state[a]["exp_avg_sq" if kind is not torch.optim.Adamax else "exp_inf"] = torch.full((4,), 2.0)
+    bucket, masking = Bucket(0, [a], Dense()), momentum_masking.MomentumMasking(opt)
+    _exchange(masking, bucket, torch.tensor([1.0, 1.0, 0.5, 1.0]), [True, True, False, True])
+    _exchange(masking, bucket, torch.tensor([0.0, 0.0, 0.1, 0.0]), [False, False, False, False])
+    # element 1 sent the other way after waiting: its first moment zeroed; element 3 the same way: left
+    _exchange(masking, bucket, torch.tensor([0.0, -4.0, 0.1, 2.0]), [False, True, False, True])
+    assert opt.state[a]["exp_avg"].tolist() == [1, 0, 1, 1]
+    assert opt.state[a]["exp_avg_sq" if kind is not torch.optim.Adamax else "exp_inf"].tolist() == [2.0] * 4
+
+
 def test_on_where_it_applies_and_refused_where_asked_for_and_it_cannot_apply():
     p = [nn.Parameter(torch.zeros(3))]
     sgd = torch.optim.SGD(p, lr=0.1, momentum=0.9)
@@ -113,8 +130,8 @@ def test_on_where_it_applies_and_refused_where_asked_for_and_it_cannot_apply():
     assert Sharing(optimizer=sgd, mode="updates", momentum_masking=False).masking is None
     assert gradshare.SharedOptimizer(sgd, link=None).sharing.masking is not None
     assert gradshare.ThresholdState(optimizer=sgd).sharing.masking is not None
-    # Not where it cannot apply: another optimizer, gradients shared, a step late
-    off = (dict(optimizer=torch.optim.AdamW(p), mode="updates"), dict(optimizer=sgd, mode="gradients"),
+    # Not where it cannot apply: an optimizer without a momentum it knows, gradients shared, a step late
+    off = (dict(optimizer=torch.optim.Adagrad(p), mode="updates"), dict(optimizer=sgd, mode="gradients"),
            dict(optimizer=sgd, mode="updates", delay=1, link=None))
     for kwargs in off:
         assert Sharing(**kwargs).masking is None
@@ -125,15 +142,24 @@ def test_on_where_it_applies_and_refused_where_asked_for_and_it_cannot_apply():
     assert Sharing(optimizer=sgd, mode="updates", compression=Dense(), momentum_masking=True).masking is not None
     with pytest.raises(ValueError, match="momentum_masking: expected None"):
         Sharing(optimizer=sgd, mode="updates", momentum_masking="yes")
-    with pytest.raises(ValueError, match="momentum_masking=True masks torch.optim.SGD's momentum"):
-        gradshare.ThresholdState(optimizer=torch.optim.Adam(p), momentum_masking=True)
+    with pytest.raises(ValueError, match="momentum_masking=True masks the momentum of torch.optim.SGD or Adam's"):
+        gradshare.ThresholdState(optimizer=torch.optim.RMSprop(p), momentum_masking=True)
     assert gradshare.ThresholdState().sharing.masking is None                            # gradients mode
+    # Adam's kin: their first moment, by default with top-k (elements wait long), not with their Ternary
+    for adam in (torch.optim.Adam(p), torch.optim.AdamW(p), torch.optim.NAdam(p), torch.optim.RAdam(p),
+                 torch.optim.Adamax(p)):
+        assert Sharing(optimizer=adam, mode="updates").masking is None                   # Ternary()
+        masked = Sharing(optimizer=adam, mode="updates", compression=TargetSparsity(0.01)).masking
+        assert masked is not None and masked.key == "exp_avg"
+        assert Sharing(optimizer=adam, mode="updates", momentum_masking=True).masking is not None
+    assert gradshare.SharedOptimizer(torch.optim.AdamW(p), compression=TopK(0.01), link=None).sharing.masking
     adam, sgd2 = torch.optim.Adam([nn.Parameter(torch.zeros(2))]), torch.optim.SGD(p, lr=0.1, momentum=0.9)
-    for asked in (None, True):
+    for asked, masked in ((None, [False, True]), (True, [True, True]), (False, [False, False])):
         state = gradshare.ThresholdState(optimizer=[adam, sgd2], momentum_masking=asked, link=None)
-        assert [sh.masking is not None for sh in state.sharings] == [False, True]   # the SGD one of several
-    state = gradshare.ThresholdState(optimizer=[adam, sgd2], momentum_masking=False, link=None)
-    assert [sh.masking is not None for sh in state.sharings] == [False, False]
+        assert [sh.masking is not None for sh in state.sharings] == masked, asked
+    ada = torch.optim.Adagrad([nn.Parameter(torch.zeros(2))])
+    state = gradshare.ThresholdState(optimizer=[ada, sgd2], momentum_masking=True, link=None)
+    assert [sh.masking is not None for sh in state.sharings] == [False, True]          # the ones it applies to
 
 
 def test_the_signs_last_sent_round_trip_and_a_damaged_entry_is_refused():

@@ -100,11 +100,12 @@ class ThresholdState(SharingFront):
         delay: 0 (default) or 1, with ``optimizer=``: each step's shared update is applied at the end of the
             next ``opt.step()``, so that its exchange travels while that step computes (gradshare.sharing;
             compresses every step). ``state.flush()`` applies the last one, e.g. before evaluating.
-        momentum_masking: with ``optimizer=`` torch.optim.SGD (of several optimizers, the SGD ones), its momentum
-            is zeroed where an element that waited in the residual is sent the other way from its last send: the
-            residual's stale push, which otherwise swings the waiting elements where gradients carry little
-            noise (regression) and stalls the loss (gradshare.momentum_masking). None (default): where it
-            applies; False: off; True: refused where it cannot apply.
+        momentum_masking: with ``optimizer=`` torch.optim.SGD or Adam's kin (of several optimizers, those), its
+            momentum (Adam's first moment) is zeroed where an element that waited in the residual is sent the
+            other way from its last send: the residual's stale push, which otherwise swings the waiting elements
+            where gradients carry little noise (regression) and stalls the loss (gradshare.momentum_masking).
+            None (default): SGD with any compression that holds something back, Adam's kin with top-k; False:
+            off; True: those optimizers with any compression, refused where it cannot apply.
         threshold: the former name of ``compression`` (deprecated).
     """
 

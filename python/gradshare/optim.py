@@ -84,11 +84,12 @@ class SharedOptimizer(SharingFront, WrappedOptimizer, Joinable):
         delay: 0 (default) or 1: each step's shared update is applied at the end of the next step, so that
             its exchange travels while that step computes (DL4J's asynchronous flavour; "updates" mode,
             compressing every step). Call ``opt.flush()`` to apply the last one, e.g. before evaluating.
-        momentum_masking: for an inner torch.optim.SGD in "updates" mode, its momentum is zeroed where an
-            element that waited in the residual is sent the other way from its last send: the residual's stale
-            push, which otherwise swings the waiting elements where gradients carry little noise (regression)
-            and stalls the loss (gradshare.momentum_masking). None (default): where it applies; False: off;
-            True: refused where it cannot apply.
+        momentum_masking: for an inner torch.optim.SGD or one of Adam's kin in "updates" mode, its momentum
+            (Adam's first moment) is zeroed where an element that waited in the residual is sent the other way
+            from its last send: the residual's stale push, which otherwise swings the waiting elements where
+            gradients carry little noise (regression) and stalls the loss (gradshare.momentum_masking). None
+            (default): SGD with any compression that holds something back, Adam's kin with top-k; False: off;
+            True: those optimizers with any compression, refused where it cannot apply.
         threshold: the former name of ``compression`` (deprecated).
 
     It is a torch.optim.Optimizer over the inner optimizer's ``param_groups`` and ``state`` (the same objects):

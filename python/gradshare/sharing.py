@@ -63,7 +63,7 @@ import torch.distributed as dist
 
 from gradshare import comm, momentum_masking as masking, optimizer_state, second_moment
 from gradshare.comm import ExchangeResult, NonFiniteStepError, exchange_async
-from gradshare.compression import Compression, Dense, as_compression, for_optimizer
+from gradshare.compression import Compression, as_compression, for_optimizer
 from gradshare.costmodel import Link, ring_allreduce_bytes
 from gradshare.link import ALLREDUCE, LinkAware
 from gradshare.stats import Statistics, StepRecord, residual_norm
@@ -252,10 +252,12 @@ class Sharing:
             compression, mean reduce and fallback; None: always compress; a LinkAware: use it (updates).
         delay: 0 (default) or 1: each step's mean update applied at the end of the next step, its exchange
             overlapping that step (module docstring). Sharing updates only; it compresses every step (no link).
-        momentum_masking: sharing the updates of torch.optim.SGD: zero its momentum where an element that waited
-            in the residual is sent the other way from its last send (gradshare.momentum_masking). None
-            (default): where it applies (SGD, updates, a compression that holds something back, ``delay=0``);
-            True: the same, refused where it cannot apply; False: off.
+        momentum_masking: sharing the updates of torch.optim.SGD or Adam's kin (Adam, AdamW, NAdam, RAdam,
+            Adamax): zero its momentum (SGD's buffer, Adam's first moment) where an element that waited in the
+            residual is sent the other way from its last send (gradshare.momentum_masking). None (default):
+            where it applies by default (updates, ``delay=0``; SGD with a compression that holds something back,
+            Adam's kin with top-k); True: for those optimizers with any compression, refused where it cannot
+            apply; False: off.
     """
 
     def __init__(self, compression: Any = None, *, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -280,9 +282,10 @@ class Sharing:
             raise ValueError("momentum_masking: expected None (where it applies), True or False, got "
                              f"{momentum_masking!r}")
         if momentum_masking and not (mode == "updates" and masking.applies(optimizer)):
-            raise ValueError("momentum_masking=True masks torch.optim.SGD's momentum where updates are shared (an "
-                             f"SGD optimizer given), not {type(optimizer).__name__} in {mode} mode; sharing "
-                             "gradients, momentum= masks gradshare's own velocity")
+            raise ValueError("momentum_masking=True masks the momentum of torch.optim.SGD or Adam's kin (Adam, AdamW, "
+                             "NAdam, RAdam, Adamax) where updates are shared (that optimizer given), not "
+                             f"{type(optimizer).__name__} in {mode} mode; sharing gradients, momentum= masks "
+                             "gradshare's own velocity")
         if momentum_masking and delay:
             raise ValueError("momentum_masking=True needs what each step sent before its next step: use delay=0")
         if delay and isinstance(link, LinkAware):
@@ -299,10 +302,10 @@ class Sharing:
         self.rescale = second_moment.GlobalBatchStep(optimizer if self.global_second_moment else None)
         chosen = as_compression(compression, clipping)
         self.compression = chosen or for_optimizer(optimizer)
-        # SGD's momentum masked where an element that waited swung back (gradshare.momentum_masking): by default
-        # wherever a compression holds updates back (with Dense nothing waits, so nothing would be masked).
-        wanted = (mode == "updates" and masking.applies(optimizer) and not delay
-                  and not isinstance(self.compression, Dense)) if momentum_masking is None else momentum_masking
+        # The optimizer's momentum masked where an element that waited swung back (gradshare.momentum_masking):
+        # by default where elements wait long (with Dense nothing waits, so nothing would be masked).
+        wanted = (mode == "updates" and not delay and masking.by_default(optimizer, self.compression)
+                  if momentum_masking is None else momentum_masking)
         self.masking = masking.MomentumMasking(optimizer) if wanted else None
         self.process_group = process_group
         self.reduce = reduce
