@@ -126,8 +126,8 @@ class MomentumMasking:
     def _mask(self, b, swung: torch.Tensor) -> None:
         """Zeroes the momentum of the elements ``swung`` (ascending bucket positions), parameter by parameter."""
         state = self.optimizer.state
-        starts = torch.tensor(b.offsets, dtype=swung.dtype, device=swung.device)
-        cuts = torch.searchsorted(swung, torch.cat([starts, starts[-1:] + b.numels[-1]])).tolist()
+        bounds = torch.tensor(b.offsets + [b.n], dtype=swung.dtype, device=swung.device)
+        cuts = torch.searchsorted(swung, bounds).tolist()
         for p, off, lo, hi in zip(b.params, b.offsets, cuts, cuts[1:]):
             st = state.get(p)
             buf = st.get(self.key) if st else None

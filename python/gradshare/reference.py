@@ -350,8 +350,8 @@ def _validate_chunked(row: torch.Tensor, fmt: int, n: int, scale: float) -> None
 
 
 def _halves(words: torch.Tensor, shifts) -> torch.Tensor:
-    """Rows of int32 words -> rows of their fields ``shifts`` bits up (16-bit halves or octets), low first, as
-    unsigned int32 (the words' order within a row kept)."""
+    """Rows of 32-bit words -> rows of their fields ``shifts`` bits up (16-bit halves or octets), low first, as
+    non-negative integers of the words' dtype (the words' order within a row kept)."""
     width = 32 // len(shifts)
     fields = [(words >> s) & ((1 << width) - 1) for s in shifts]
     return torch.stack(fields, dim=2).view(words.shape[0], -1)
