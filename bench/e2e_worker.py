@@ -58,7 +58,7 @@ CONTENDERS: Dict[str, str] = {
     "gradshare_diloco": "gradshare ParameterAveraging as `gradshare train --mode diloco` sets it up: the mean change "
                         "every period steps through the outer optimizer (lr 1, no momentum), inner state local",
     "gradshare_sparse_local": "gradshare ParameterAveraging as `gradshare train --mode sparse_local` sets it up: every "
-                              "period steps the change's top 2% with error feedback (decay 0.9)",
+                              "period steps the change's top 2%, what is not sent kept in each worker's model",
     "gradshare_ternary_local": "gradshare ParameterAveraging(compression=Ternary(), residual_decay=0.9): every period "
                                "steps the change ternary-coded (2 bits an element) with error feedback",
     "gradshare_streaming": "gradshare_diloco with streaming rounds (`--fragments 4 --overlap period/4`): a quarter of "
@@ -399,7 +399,7 @@ def setup_contender(contender: str, model: nn.Module, args, task: Task, timer: T
                                      **streaming})
             outer = o["outer_optimizer"]
             kwargs = {"compression": o["compression"], "residual_decay": o["residual_decay"],
-                      "fragments": o["fragments"], "overlap": o["overlap"],
+                      "fragments": o["fragments"], "overlap": o["overlap"], "error_feedback": o["error_feedback"],
                       "outer_optimizer": None if outer is None else (lambda ps, c=outer: c[0](ps, **c[1]))}
             info["outer_optimizer"] = None if outer is None else f"{outer[0].__name__}({outer[1]})"
         opt = ParameterAveraging(model, sgd(model.parameters()), frequency=period, **kwargs)

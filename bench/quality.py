@@ -41,9 +41,13 @@ entry, decayed error feedback 0.9, the mean change applied as is), ``ternary_h4`
 pseudo-gradient ternary-coded, 2 bits an element, decayed error feedback 0.9: 64x fewer bytes than DDP),
 streaming rounds ``fragments_h20`` (``diloco_h20_m0`` in 4 fragments synced in turn), ``streaming_h20`` (the same,
 each exchange travelling 5 steps) and
-``ternary_h4_overlap`` (``ternary_h4``, each exchange travelling 1 step), and
-``la:EXPR`` (exploration: EXPR a
-ParameterAveraging keyword dict over gradshare's and torch's names).
+``ternary_h4_overlap`` (``ternary_h4``, each exchange travelling 1 step); what a round does not send kept in
+each rank's own model (``error_feedback="model"``, no decay): ``sparse_h20_model``, ``ternary_h4_model``,
+``ternary_h64_model``, and ``sparse_h20_model_average`` (``sparse_h20_model`` ended by ``average()``, a float32
+round of the whole change that leaves identical replicas, its bytes counted; the others judge rank 0's own
+model, as every local-steps contender does); and ``la:EXPR`` (exploration: EXPR a
+ParameterAveraging keyword dict over gradshare's and torch's names, ``average_at_end=True`` for ``average()``
+after the last step).
 """
 from __future__ import annotations
 
@@ -72,6 +76,11 @@ LOCAL_STEPS = {
     "fragments_h20": "dict(frequency=20, outer_optimizer=nesterov(1.0, 0.0), fragments=4)",
     "streaming_h20": "dict(frequency=20, outer_optimizer=nesterov(1.0, 0.0), fragments=4, overlap=5)",
     "ternary_h4_overlap": "dict(frequency=4, compression=Ternary(), residual_decay=0.9, overlap=1)",
+    "sparse_h20_model": "dict(frequency=20, compression=TopK(0.02, warmup_steps=0), error_feedback='model')",
+    "sparse_h20_model_average": "dict(frequency=20, compression=TopK(0.02, warmup_steps=0), error_feedback='model', "
+                                "average_at_end=True)",
+    "ternary_h4_model": "dict(frequency=4, compression=Ternary(), error_feedback='model')",
+    "ternary_h64_model": "dict(frequency=64, compression=Ternary(), error_feedback='model')",
 }
 CONTENDERS = ("ddp", "powersgd", "gradshare", "gradshare_auto", "gradshare_1e-2", "gradshare_1e-3", "gradshare_ternary",
               "gradshare_topk", "gradshare_gradients", "gradshare_strom", "gradshare_own_moment", "gradshare_delayed", "single",
@@ -146,11 +155,13 @@ def rank_main(cfg: Dict) -> Dict:
     opt, *others = made if isinstance(made, tuple) else (made,)   # several: the first is the one shared
     stepper = opt
     state = None
+    average_at_end = False
     if local:
         import gradshare
 
         expr = LOCAL_STEPS.get(name, name[3:])
         kwargs = dict(eval(expr, dict(vars(gradshare), torch=torch, nesterov=nesterov)))
+        average_at_end = kwargs.pop("average_at_end", False)
         stepper = state = gradshare.ParameterAveraging(model, opt, **kwargs)
     elif name == "ddp":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -219,6 +230,10 @@ def rank_main(cfg: Dict) -> Dict:
     seconds = time.perf_counter() - t0
     if getattr(state, "flush", None) is not None:
         state.flush()                      # delay=1: the last step's update is applied before evaluating
+    if local and average_at_end:
+        counter.on = True                  # its bytes count
+        state.average()
+        counter.on = False
     metric = data.evaluate(model) if rank == 0 else None
     out = {"rank": rank, "world": world, "params": n, "steps": wl.steps, "metric": metric,
            "train_loss": statistics.fmean(losses[-50:]), "bytes": counter.bytes,

@@ -162,6 +162,18 @@ def _dense_pseudo_gradient_equals_averaging():
     return (_flat(a) - _flat(b)).abs().max().item(), pb.rounds, pb.bytes_sent, pa.bytes_sent
 
 
+def _resumes_mid_round_exactly(make, model, pa, rank):
+    # a checkpoint one step into a round, restored into a new model and wrapper, continues bit for bit
+    _train(model, pa, rank + 7, 1)
+    sd = {"model": copy.deepcopy(model.state_dict()), "pa": copy.deepcopy(pa.state_dict())}
+    _train(model, pa, rank + 9, 4)                                      # crosses a round
+    m2, _, pa2 = make()
+    m2.load_state_dict(sd["model"])
+    pa2.load_state_dict(sd["pa"])
+    _train(m2, pa2, rank + 9, 4)
+    return torch.equal(_flat(model), _flat(m2)) and pa2.rounds == pa.rounds, sd
+
+
 def _sparse_pseudo_gradient(mid_round_resume, inner_name="adam"):
     # SparseLoCo-like: top-k of a decayed error-feedback pseudo-gradient, outer Nesterov, inner Adam (or
     # RMSprop with momentum, whose rescaling keeps state of gradshare's: second_moment.GlobalBatchStep).
@@ -184,14 +196,7 @@ def _sparse_pseudo_gradient(mid_round_resume, inner_name="adam"):
            "inner_local": not torch.equal(state[0], state[1]), "outer_same": torch.equal(*outer_state),
            "residual": residual, "sent": pa.bytes_sent, "dense_round": ring_allreduce_bytes(2, after[0].numel())}
     if mid_round_resume:
-        _train(model, pa, rank + 7, 1)                                  # one step into the next round
-        sd = {"model": copy.deepcopy(model.state_dict()), "pa": copy.deepcopy(pa.state_dict())}
-        _train(model, pa, rank + 9, 4)                                  # crosses a round
-        m2, _, pa2 = make()
-        m2.load_state_dict(sd["model"])
-        pa2.load_state_dict(sd["pa"])
-        _train(m2, pa2, rank + 9, 4)
-        out["resume_exact"] = torch.equal(_flat(model), _flat(m2)) and pa2.rounds == pa.rounds
+        out["resume_exact"], sd = _resumes_mid_round_exactly(make, model, pa, rank)
         # The model loaded first, then wrapped: the initial broadcast replaces rank 1's own mid-round model
         # with rank 0's, which load_state_dict says (on the rank that lost its own).
         m3 = _model()
@@ -204,6 +209,41 @@ def _sparse_pseudo_gradient(mid_round_resume, inner_name="adam"):
     return out
 
 
+def _model_error_feedback():
+    # error_feedback="model": what a round does not send stays in the rank's own model, so a round keeps the
+    # mean of the ranks' models where it was (no progress lost) and average() ends with identical replicas.
+    rank = dist.get_rank()
+
+    def make(m=None):
+        m = _model() if m is None else m
+        inner = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)    # its steps as they are (no rescaling)
+        return m, inner, ParameterAveraging(m, inner, frequency=3, compression=gradshare.TopK(0.05, warmup_steps=0),
+                                            error_feedback="model")
+    model, inner, pa = make()
+    ends = []                                       # the rank's model after each inner step, before any round
+    inner.register_step_post_hook(lambda *a: ends.append(_flat(model).clone()))
+    _train(model, pa, rank, 3)                      # step 3: a round
+    b = pa.sharing.buckets
+    snapshot = torch.cat([x.snapshot for x in b])
+    kept = torch.cat([x.residual for x in b])
+    models, snapshots = _gather(_flat(model)), _gather(snapshot)
+    out = {"global_same": torch.equal(*snapshots), "models_differ": not torch.equal(*models),
+           "model_is_global_minus_kept": torch.equal(_flat(model), snapshot - kept),
+           "mean_kept": (sum(_gather(ends[-1])) / 2 - sum(models) / 2).abs().max().item(),
+           "kept": kept.abs().sum().item(), "sent": pa.bytes_sent,
+           "dense_round": ring_allreduce_bytes(2, snapshot.numel())}
+    out["resume_exact"], _ = _resumes_mid_round_exactly(make, model, pa, rank)
+    before = sum(_gather(_flat(model))) / 2
+    sent = pa.bytes_sent
+    pa.average()                                    # the whole change, float32: identical replicas
+    after = _gather(_flat(model))
+    out["average_same"] = torch.equal(*after)
+    out["average_mean_kept"] = (after[0] - before).abs().max().item()
+    out["average_sent"] = pa.bytes_sent - sent
+    out["average_residual"] = sum(x.residual.abs().sum().item() for x in b)
+    return out
+
+
 def _all_checks():
     # One group runs every check (starting worker processes is the slow part).
     return {"bitwise_sgd": _bitwise_after_round("sgd"), "bitwise_adam": _bitwise_after_round("adam"),
@@ -211,7 +251,8 @@ def _all_checks():
             "frequency1": _frequency1_equals_gradient_averaging(5), "schedule": _schedule_and_options(),
             "broadcast": _initial_broadcast(), "dense_pseudo": _dense_pseudo_gradient_equals_averaging(),
             "sparse_pseudo": _sparse_pseudo_gradient(True),
-            "sparse_pseudo_rmsprop": _sparse_pseudo_gradient(True, "rmsprop")}
+            "sparse_pseudo_rmsprop": _sparse_pseudo_gradient(True, "rmsprop"),
+            "model_error_feedback": _model_error_feedback()}
 
 
 def test_outer_sgd_of_lr_1_on_the_dense_pseudo_gradient_is_parameter_averaging(results):
@@ -231,6 +272,20 @@ def test_sparse_pseudo_gradient_keeps_replicas_identical_and_resumes_exactly(res
         assert 0 < r["sent"] < r["dense_round"] / 5
         assert r["resume_exact"]
     assert [r[key]["warned_wrong_order"] for r in results] == [False, True]   # rank 1's model was replaced
+
+
+def test_error_feedback_in_the_model_keeps_the_ranks_mean_and_average_merges_it(results):
+    for r in [r["model_error_feedback"] for r in results]:
+        assert r["global_same"], "the round's mean result (the snapshot) is the same on every rank"
+        assert r["models_differ"] and r["kept"] > 0, "each rank's model keeps what it did not send"
+        assert r["model_is_global_minus_kept"]
+        assert r["mean_kept"] < 1e-6, "a round moves no rank's progress out of the ranks' mean model"
+        assert 0 < r["sent"] < r["dense_round"] / 5
+        assert r["resume_exact"]
+        assert r["average_same"], "average() ends with bitwise-identical replicas"
+        assert r["average_mean_kept"] < 1e-6 and r["average_residual"] == 0
+        assert r["average_sent"] >= r["dense_round"]
+    assert results[0]["model_error_feedback"]["mean_kept"] == results[1]["model_error_feedback"]["mean_kept"]
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +336,17 @@ def test_pseudo_gradient_on_one_process_and_argument_checks():
         ParameterAveraging(model, sgd, outer_optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
     with pytest.raises(ValueError, match="residual_decay"):
         ParameterAveraging(model, sgd, compression="dense", residual_decay=0.0)
+    with pytest.raises(ValueError, match="error_feedback='model'.*compression="):
+        ParameterAveraging(model, sgd, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0), error_feedback="model")
+    with pytest.raises(ValueError, match="overlap=0"):
+        ParameterAveraging(model, sgd, frequency=4, compression=gradshare.TopK(0.1), overlap=1, error_feedback="model")
+    with pytest.raises(ValueError, match="'buffer' or 'model'"):
+        ParameterAveraging(model, sgd, compression=gradshare.TopK(0.1), error_feedback="models")
+    with pytest.raises(ValueError, match="local steps"):
+        gradshare.sharing.Sharing(gradshare.TopK(0.1), optimizer=sgd, mode="updates", error_feedback="model")
+    # one rank: nothing is kept back, the model trains as without error feedback
+    sparse_model, _ = run(compression=gradshare.TopK(0.01, warmup_steps=0), error_feedback="model")
+    assert torch.equal(plain, sparse_model)
     with pytest.raises(ValueError, match="pseudo-gradient"):
         ParameterAveraging(model, sgd).load_state_dict(ParameterAveraging(model, sgd, compression="dense").state_dict())
 

@@ -18,7 +18,7 @@ BAD = [
     ["train", "--compression", "fixed:abc"], ["train", "--threshold", "fixed"], ["train", "--mode", "async"],
     ["train", "--mode", "diloco", "--outer-lr", "nan"], ["train", "--mode", "diloco", "--outer-momentum", "1"],
     ["train", "--mode", "sparse_local", "--residual-decay", "0"], ["train", "--mode", "diloco", "--fragments", "0"],
-    ["train", "--mode", "diloco", "--overlap", "-1"],
+    ["train", "--mode", "diloco", "--overlap", "-1"], ["train", "--mode", "sparse_local", "--error-feedback", "models"],
     PLAN + ["--bandwidth", "12xyz"], PLAN + ["--efficiency", "0"], PLAN + ["--efficiency", "1.5"],
     PLAN + ["--workers", "0"], ["plan", "--params", "-5", "--step-time", "10"],
     ["plan", "--params", "1e6x", "--step-time", "10"], ["plan", "--params", "0.5", "--step-time", "10"],

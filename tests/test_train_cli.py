@@ -76,6 +76,10 @@ def test_bad_option_combinations_are_rejected(capsys):
     assert main(["train", "--mode", "averaging", "--fragments", "2"]) == 2      # streaming needs local steps too
     assert main(["train", "--mode", "diloco", "--frequency", "4", "--fragments", "5"]) == 2
     assert main(["train", "--mode", "diloco", "--frequency", "4", "--fragments", "2", "--overlap", "3"]) == 2
+    assert main(["train", "--mode", "averaging", "--error-feedback", "model"]) == 2   # needs local steps
+    assert main(["train", "--mode", "diloco", "--error-feedback", "model"]) == 2       # ... and a compressed round
+    assert main(["train", "--mode", "sparse_local", "--frequency", "4", "--overlap", "1",
+                 "--error-feedback", "model"]) == 2                                    # ... that ends where it began
 
 
 def test_compression_specs_and_config():
@@ -105,7 +109,10 @@ def test_local_steps_modes_build_parameter_averaging_options():
     paper = build_config({"mode": "diloco", "outer_lr": 0.7, "outer_momentum": 0.9})
     assert paper.outer_optimizer == (torch.optim.SGD, {"lr": 0.7, "momentum": 0.9, "nesterov": True})
     s = build_config({"mode": "sparse_local"})
-    assert s.outer_optimizer is None and s.residual_decay == 0.9
+    assert s.outer_optimizer is None and s.residual_decay == 1.0 and s.error_feedback == "model"   # no decay
+    buffered = build_config({"mode": "sparse_local", "error_feedback": "buffer"})
+    assert buffered.error_feedback == "buffer" and buffered.residual_decay == 0.9          # SparseLoCo's
+    assert build_config({"mode": "diloco"}).error_feedback == "buffer"
     assert isinstance(s.compression, TopK) and s.compression.density == 0.02 and s.compression.warmup_steps == 0
     s = build_config({"mode": "sparse_local", "compression": "topk:0.01", "outer_lr": 1.5, "residual_decay": 1.0})
     assert s.compression.density == 0.01 and s.compression.warmup_steps == 0 and s.residual_decay == 1.0

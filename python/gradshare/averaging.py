@@ -24,6 +24,16 @@ pseudo-gradient) through gradshare's sharing core (gradshare.sharing), with erro
   change, at a few bytes an entry; the mean of what was sent is applied (``outer_optimizer=None``: a step of
   exactly the mean change) or handed to the outer optimizer.
 
+Where what a round does not send waits (``error_feedback``, with ``compression``). "buffer" (default,
+SparseLoCo's): in an error-feedback buffer; every rank's model becomes the round's mean result, and its next
+inner steps start from there, so the progress it kept back is made again by those steps and counted twice
+(hence SparseLoCo's decay). "model": in the rank's own model, which stays the round's mean result minus
+what the rank has not sent, so its inner steps go on from its own progress and the mean of the ranks'
+models is what they trained to: a round moves each rank's model by what the others sent, less the share of
+its own that it sent. The round's mean result (the buckets' ``snapshot``) is identical on every rank; the
+ranks' models differ by what each holds back until :meth:`ParameterAveraging.average` sends the whole change
+(a float32 all-reduce: an epoch's end in gradshare's loops) and ends with identical replicas.
+
 Streaming (Streaming DiLoCo, Douillard et al. 2025), pseudo-gradient modes: ``fragments=F`` splits the model
 into F fragments of consecutive parameters, of about equal size, whose rounds are staggered, fragment f's at steps
 ``f*H//F`` after fragment 0's, each every H steps: the same bytes, spread over the period, so the peak a link
@@ -80,6 +90,11 @@ class ParameterAveraging(WrappedOptimizer):
         compression: what a round sends of the pseudo-gradient (gradshare.compression: TopK, Ternary, Strom
             thresholds, "dense"); default with an outer optimizer: Dense() (a float32 all-reduce).
         residual_decay: beta in (0, 1] for the pseudo-gradient's error feedback (gradshare.sharing).
+        error_feedback: with ``compression``, where what a round does not send waits: "buffer" (default,
+            SparseLoCo's): in an error-feedback buffer, every rank's model set to the round's mean result;
+            "model": in the rank's own model, which keeps its unsent progress (module docstring). The ranks'
+            models then differ between rounds by what each has not sent; :meth:`average` ends with identical
+            replicas by a float32 all-reduce of the whole change. Needs ``overlap=0``.
         fragments: pseudo-gradient modes: rounds of F fragments of the model, staggered over the period (module
             docstring: streaming). 1 (default): every round covers the whole model.
         overlap: pseudo-gradient modes: inner steps a round's exchange travels while training goes on, from 0
@@ -96,7 +111,7 @@ class ParameterAveraging(WrappedOptimizer):
                  sync_initial: bool = True, *, outer_optimizer: Optional[Callable[..., torch.optim.Optimizer]] = None,
                  compression: Any = None, residual_decay: float = 1.0, nonfinite: str = "raise",
                  bucket_cap_mb: float = 25.0, stats: Optional[Statistics] = None, fragments: int = 1,
-                 overlap: int = 0):
+                 overlap: int = 0, error_feedback: str = "buffer"):
         if int(frequency) < 1:
             raise ValueError(f"frequency: must be >= 1, got {frequency}")
         for name, v in (("fragments", fragments), ("overlap", overlap)):
@@ -116,6 +131,12 @@ class ParameterAveraging(WrappedOptimizer):
         if (fragments > 1 or overlap > 0) and not pseudo:
             raise ValueError("fragments / overlap: streaming rounds share a pseudo-gradient; pass outer_optimizer= "
                              "or compression= (averaging parameters and optimizer state is whole and synchronous)")
+        if error_feedback == "model" and compression is None:
+            raise ValueError("error_feedback='model' keeps what a compressed round did not send in the rank's model: "
+                             "pass compression= (without it a round sends the whole change)")
+        if error_feedback == "model" and overlap:
+            raise ValueError("error_feedback='model' needs overlap=0: the rank's model takes the round's mean result "
+                             "minus what it kept when the round ends")
         if pseudo and average_optimizer_state:
             raise ValueError("average_optimizer_state=True: with outer_optimizer or compression only the "
                              "pseudo-gradient is shared; the inner optimizer's state stays on its rank")
@@ -142,7 +163,8 @@ class ParameterAveraging(WrappedOptimizer):
         if pseudo:
             self.sharing = Sharing(Dense() if compression is None else compression, optimizer=optimizer,
                                    process_group=process_group, nonfinite=nonfinite, stats=stats,
-                                   mode="pseudo-gradient", residual_decay=residual_decay)
+                                   mode="pseudo-gradient", residual_decay=residual_decay,
+                                   error_feedback=error_feedback)
             # Fragments of consecutive parameters, each in buckets of its own (one fragment with streaming off).
             self._fragments = []
             self.sharing.build([], bucket_cap_mb)
@@ -183,7 +205,7 @@ class ParameterAveraging(WrappedOptimizer):
             return loss
         self.last_averaged = self.last_round = self.due(self.step_count)
         if self.last_averaged:
-            self.average()
+            self._round()
         return loss
 
     @property
@@ -225,10 +247,16 @@ class ParameterAveraging(WrappedOptimizer):
                 sh.apply_outer(self.outer, frag)
         else:
             before = sh.stats.bytes_sent
-            sh.share_updates(outer=self.outer, buckets=frag)
-            self.bytes_sent += sh.stats.bytes_sent - before
+            try:
+                sh.share_updates(outer=self.outer, buckets=frag)
+            except BaseException:
+                sh.residual_into_params(frag)             # error_feedback="model": the rank's own round start
+                raise
+            finally:
+                self.bytes_sent += sh.stats.bytes_sent - before
         self.rounds += 1
-        sh.begin_updates(frag)
+        sh.begin_updates(frag)                            # the round's mean result, the same on every rank
+        sh.residual_into_params(frag)                     # error_feedback="model": minus what the rank kept
 
     def _arrive(self, r: "_InFlight") -> None:
         """Waits for an overlapped round's exchanges (no new collective) and ends its step."""
@@ -311,10 +339,20 @@ class ParameterAveraging(WrappedOptimizer):
     @torch.no_grad()
     def average(self) -> None:
         """Averages now across the group (a collective: every rank must call it). Streaming rounds still
-        travelling land first; then the whole model's round."""
+        travelling land first; then the whole model's round. With ``error_feedback="model"`` that round sends
+        the whole change (float32 all-reduce, residuals included), so the replicas end identical."""
+        self._round(merge=True)
+
+    @torch.no_grad()
+    def _round(self, merge: bool = False) -> None:
+        """The whole model's round (:meth:`average`; ``merge``: a float32 one where each rank's model holds
+        what it has not sent)."""
         if self.sharing is not None:
             self.flush()
-            self._share_pseudo_gradient()
+            if merge and self.sharing.error_feedback == "model":
+                self._merge()
+            else:
+                self._share_pseudo_gradient()
             self.last_averaged = True
             return
         world = self.world_size
@@ -360,6 +398,20 @@ class ParameterAveraging(WrappedOptimizer):
             self._average_dense([(b, b) for b in self.model.buffers() if b.is_floating_point()], world)
         self._stepped = False
         self._round_open = True
+
+    def _merge(self) -> None:
+        """``error_feedback="model"``: a round in which every bucket sends its whole change and residual (Dense),
+        so every rank's model becomes the same mean result."""
+        kept = [b.compression for b in self.sharing.buckets]
+        for b in self.sharing.buckets:
+            b.compression = Dense()
+        # after a round with no step since, the residuals still hold what the ranks kept (the same on every rank)
+        self._stepped = self._stepped or self.rounds > 0
+        try:
+            self._share_pseudo_gradient()
+        finally:
+            for b, c in zip(self.sharing.buckets, kept):
+                b.compression = c
 
     def _others_step_the_model(self) -> bool:
         """Whether the model has trainable parameters that the inner optimizer does not step (another

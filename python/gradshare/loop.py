@@ -68,7 +68,8 @@ class TrainConfig:
     thresholds); ``shared`` picks what is encoded: "updates" (default) or "gradients"; ``link``: "auto"
     (link-aware, gradshare.link) or None (compression at every step: runs repeat bit for bit)) or
     "averaging" (ParameterAveraging every ``frequency`` steps; with ``outer_optimizer`` (a spec as
-    for ``optimizer``) and/or ``compression`` only the pseudo-gradient is shared, with ``residual_decay``:
+    for ``optimizer``) and/or ``compression`` only the pseudo-gradient is shared, with ``residual_decay`` and
+    ``error_feedback``:
     DiLoCo and SparseLoCo, gradshare.averaging; ``fragments`` and ``overlap``: its streaming rounds). ``devices``: device i % len
     for rank i (default CPU). ``on_step(state)`` runs after every step on every rank (checkpointing);
     ``resume`` is a dict from :meth:`TrainState.state_dict` or a function rank -> such a dict.
@@ -90,6 +91,7 @@ class TrainConfig:
     average_optimizer_state: Optional[bool] = None
     outer_optimizer: Optional[OptimizerSpec] = None
     residual_decay: float = 1.0
+    error_feedback: str = "buffer"
     fragments: int = 1
     overlap: int = 0
     warmup_steps: int = 0
@@ -188,7 +190,7 @@ def _build_trainer(cfg: TrainConfig, model: nn.Module):
                                   warmup_steps=cfg.warmup_steps, compression=copy.deepcopy(cfg.compression),
                                   outer_optimizer=None if outer is None else functools.partial(make_optimizer, outer),
                                   residual_decay=cfg.residual_decay, fragments=cfg.fragments,
-                                  overlap=cfg.overlap)
+                                  overlap=cfg.overlap, error_feedback=cfg.error_feedback)
     from gradshare.optim import SharedOptimizer
 
     kwargs = {"mode": cfg.shared, "compression": copy.deepcopy(cfg.compression), "link": copy.deepcopy(cfg.link)}

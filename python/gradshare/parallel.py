@@ -80,6 +80,7 @@ class ParallelWrapper:
         outer_optimizer: averaging mode: the outer optimizer, given like ``optimizer`` (a picklable factory
             or ``(class, kwargs)``), e.g. ``(torch.optim.SGD, dict(lr=0.7, momentum=0.9, nesterov=True))``.
         residual_decay: averaging mode with ``compression``: the pseudo-gradient's error-feedback decay.
+        error_feedback: averaging mode with ``compression``: "buffer" or "model" (ParameterAveraging's).
         fragments, overlap: averaging mode with a pseudo-gradient: streaming rounds (ParameterAveraging's).
         prefetch_buffer: batches each worker prepares ahead in a background thread.
         compression: what sharing sends (gradshare.compression; default: chosen for the optimizer); in
@@ -106,7 +107,8 @@ class ParallelWrapper:
                  clipping: Any = "default", average_optimizer_state: Optional[bool] = None, warmup_steps: int = 0,
                  progress: bool = True, timeout: float = 7 * _DAY,
                  outer_optimizer: Any = None, residual_decay: float = 1.0, link: Any = "auto",
-                 fragments: int = 1, overlap: int = 0, batch_keys: Sequence[str] = ("input", "target")):
+                 fragments: int = 1, overlap: int = 0, batch_keys: Sequence[str] = ("input", "target"),
+                 error_feedback: str = "buffer"):
         if mode not in loop.MODES:
             raise ValueError(f"mode: expected one of {loop.MODES}, got {mode!r}")
         if isinstance(optimizer, type):
@@ -130,6 +132,7 @@ class ParallelWrapper:
         self.average_optimizer_state = average_optimizer_state
         self.outer_optimizer = outer_optimizer
         self.residual_decay = float(residual_decay)
+        self.error_feedback = error_feedback
         self.fragments, self.overlap = int(fragments), int(overlap)
         self.link = link
         if isinstance(batch_keys, str) or len(batch_keys) != 2:
@@ -155,7 +158,7 @@ class ParallelWrapper:
             frequency=self.frequency,
             average_optimizer_state=self.average_optimizer_state, warmup_steps=self.warmup_steps,
             outer_optimizer=self.outer_optimizer, residual_decay=self.residual_decay, fragments=self.fragments,
-            overlap=self.overlap,
+            overlap=self.overlap, error_feedback=self.error_feedback,
             validation_data=None if validation_data is None else _shareable(validation_data, "test", self.seed),
             metrics=tuple(metrics), seed=self.seed, devices=self.devices, prefetch_buffer=self.prefetch_buffer,
             progress=self.progress, batch_keys=self.batch_keys)

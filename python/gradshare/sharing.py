@@ -71,6 +71,7 @@ from gradshare.stats import Statistics, StepRecord, residual_norm
 NONFINITE = ("raise", "skip")
 PROBE_ELEMENTS = 1 << 18    # the link probe's largest all-reduce: 1 MiB of float32 (gradshare.link)
 REDUCE = ("mean", "sum")
+ERROR_FEEDBACK = ("buffer", "model")    # pseudo-gradients: where what a round did not send waits (Sharing)
 
 
 class ConfigurationMismatchError(RuntimeError):
@@ -252,6 +253,12 @@ class Sharing:
             compression, mean reduce and fallback; None: always compress; a LinkAware: use it (updates).
         delay: 0 (default) or 1: each step's mean update applied at the end of the next step, its exchange
             overlapping that step (module docstring). Sharing updates only; it compresses every step (no link).
+        error_feedback: pseudo-gradients (local steps) only: where what a round does not send waits.
+            "buffer" (default): in the bucket's residual, each rank's model set to the round's mean result
+            (SparseLoCo's); "model": in the rank's own model, which stays the round's mean result minus what
+            the rank has not sent yet, so its next inner steps start from its own progress instead of
+            repeating it (:meth:`residual_into_params`; the mean result, the same on every rank, is the
+            buckets' ``snapshot``).
         momentum_masking: sharing the updates of torch.optim.SGD or Adam's kin (Adam, AdamW, NAdam, RAdam,
             Adamax): zero its momentum (SGD's buffer, Adam's first moment) where an element that waited in the
             residual is sent the other way from its last send (gradshare.momentum_masking). None (default):
@@ -264,7 +271,7 @@ class Sharing:
                  process_group=None, reduce: str = "mean", nonfinite: str = "raise", fallback: str = "auto",
                  stats: Optional[Statistics] = None, momentum: Optional[float] = None, clipping=None,
                  mode: str = "gradients", residual_decay: float = 1.0, link: Any = "auto", delay: int = 0,
-                 momentum_masking: Optional[bool] = None):
+                 momentum_masking: Optional[bool] = None, error_feedback: str = "buffer"):
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite: expected 'raise' or 'skip', got {nonfinite!r}")
         if reduce not in REDUCE:
@@ -273,6 +280,12 @@ class Sharing:
             raise ValueError(f"momentum: expected None or a value in [0, 1), got {momentum}")
         if not 0.0 < float(residual_decay) <= 1.0:
             raise ValueError(f"residual_decay: expected a value in (0, 1], got {residual_decay}")
+        if error_feedback not in ERROR_FEEDBACK:
+            raise ValueError(f"error_feedback: expected 'buffer' or 'model', got {error_feedback!r}")
+        if error_feedback == "model" and mode != "pseudo-gradient":
+            raise ValueError("error_feedback='model' keeps what a round did not send in each rank's own model: it "
+                             "needs local steps (mode=\"pseudo-gradient\", gradshare.ParameterAveraging), where the "
+                             "ranks' models differ between rounds anyway")
         if isinstance(delay, bool) or delay not in (0, 1):
             raise ValueError(f"delay: expected 0 or 1 (steps an update waits before it is applied), got {delay!r}")
         if delay and mode != "updates":
@@ -294,6 +307,7 @@ class Sharing:
         self._inflight: Optional[List[Tuple[Bucket, torch.futures.Future]]] = None   # delay=1: last step's exchanges
         self._arrived: Optional[bool] = None   # delay=1: they were collected; True: each bucket's ``mean`` is to apply
         self.residual_decay = float(residual_decay)
+        self.error_feedback = error_feedback
         self.optimizer = optimizer
         # Sharing an adaptive optimizer's updates (Adam's kin, RMSprop, Adagrad, Adadelta, Adamax, Adafactor):
         # each rank's step rescaled to the global batch's second moment (gradshare.second_moment); the steps
@@ -368,6 +382,7 @@ class Sharing:
         return {"gradshare version": __version__, "world size": self.world_size, "mode": self.mode,
                 "compression": b.compression.config(), "reduce": self.reduce, "nonfinite": self.nonfinite,
                 "fallback": self.fallback, "momentum": self.momentum, "residual decay": self.residual_decay,
+                "error feedback": self.error_feedback,
                 "second moment": "global batch" if self.global_second_moment else "own",
                 "link": None if self.link is None else self.link.config(), "delay": self.delay, "bucket": b.index,
                 "bucket layout": [f"{tuple(p.shape)} {str(p.dtype).replace('torch.', '')}" for p in b.params]}
@@ -592,6 +607,8 @@ class Sharing:
                 out.append(b.gather_grads(b.flat))
                 continue
             delta = b.change(b.flat)                      # before - after: this rank's update
+            if self.error_feedback == "model":            # the rank's own start is snapshot - residual
+                delta.sub_(b.residual)
             if groups is not None:
                 self._to_global_batch(b, delta, groups)
             out.append(delta)
@@ -875,6 +892,17 @@ class Sharing:
         self.step += 1
         self.stats.end_step()
         self.link_step_ended()
+
+    @torch.no_grad()
+    def residual_into_params(self, buckets: Optional[Sequence[Bucket]] = None) -> None:
+        """``error_feedback="model"``: each parameter minus its residual, after a round set it to the round's
+        mean result (the ``snapshot``, the same on every rank): the rank's model keeps what it has not sent.
+        Nothing otherwise."""
+        if self.error_feedback != "model":
+            return
+        for b in (self.buckets if buckets is None else buckets):
+            for p, r in b.views(b.residual):
+                p.sub_(r.to(p.dtype))
 
     def restore_params(self, buckets: Optional[Sequence[Bucket]] = None) -> None:
         for b in (self.buckets if buckets is None else buckets):

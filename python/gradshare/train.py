@@ -44,6 +44,7 @@ MODES = loop.MODES + LOCAL_STEPS
 # (README, "Local steps"), where 1 / 0 stayed within 0.1 points and 2.3%.
 DILOCO_OUTER = (1.0, 0.0)
 SPARSE_LOCAL_DENSITY, SPARSE_LOCAL_DECAY = 0.02, 0.9
+SPARSE_LOCAL_ERROR_FEEDBACK = "model"           # --error-feedback's default (ParameterAveraging's error_feedback)
 
 
 def parse_compression(spec: str):
@@ -115,7 +116,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="diloco, sparse_local: the outer optimizer's Nesterov momentum "
                         f"(default: {DILOCO_OUTER[1]} for diloco, 0 for sparse_local)")
     p.add_argument("--residual-decay", type=argtypes.number(0, 1, low_open=True), metavar="BETA",
-                   help=f"sparse_local: the error-feedback decay (default: {SPARSE_LOCAL_DECAY})")
+                   help=f"sparse_local: the error-feedback decay (default: {SPARSE_LOCAL_DECAY} with --error-feedback "
+                        "buffer, 1 with model)")
+    p.add_argument("--error-feedback", choices=["buffer", "model"],
+                   help="sparse_local: where what a round does not send waits: in an error-feedback buffer, every "
+                        "model set to the round's mean, or in each worker's own model (default: "
+                        f"{SPARSE_LOCAL_ERROR_FEEDBACK})")
     p.add_argument("--fragments", type=argtypes.integer(1), metavar="F",
                    help="diloco, sparse_local: rounds of F fragments of the model, staggered over the period "
                         "(streaming; default 1)")
@@ -169,7 +175,7 @@ def options_from_args(args: argparse.Namespace) -> Dict[str, Any]:
             "data": args.data,
             "seed": args.seed, "progress": not args.no_progress, "outer_lr": args.outer_lr,
             "outer_momentum": args.outer_momentum, "residual_decay": args.residual_decay,
-            "fragments": args.fragments, "overlap": args.overlap}
+            "error_feedback": args.error_feedback, "fragments": args.fragments, "overlap": args.overlap}
 
 
 def local_steps_options(opts: Dict[str, Any]) -> Dict[str, Any]:
@@ -190,9 +196,11 @@ def local_steps_options(opts: Dict[str, Any]) -> Dict[str, Any]:
     if isinstance(compression, TopK):     # a round is many steps: no per-step warm-up of the density
         compression = TopK(compression.density, chunk=compression.chunk, warmup_steps=0, values=compression.values)
     decay = opts.get("residual_decay")
+    feedback = opts.get("error_feedback") or (SPARSE_LOCAL_ERROR_FEEDBACK if compression is not None else "buffer")
     return {"mode": "averaging", "compression": compression, "fragments": int(opts.get("fragments") or 1),
-            "overlap": int(opts.get("overlap") or 0),
-            "residual_decay": float(decay if decay is not None else SPARSE_LOCAL_DECAY if mode == "sparse_local" else 1.0),
+            "overlap": int(opts.get("overlap") or 0), "error_feedback": feedback,
+            "residual_decay": float(decay if decay is not None else SPARSE_LOCAL_DECAY
+                                    if mode == "sparse_local" and feedback == "buffer" else 1.0),
             "outer_optimizer": None if lr is None else
             (torch.optim.SGD, {"lr": float(lr), "momentum": float(momentum), "nesterov": float(momentum) > 0})}
 
@@ -315,9 +323,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.mode not in LOCAL_STEPS and (args.outer_lr is not None or args.outer_momentum is not None
                                          or args.residual_decay is not None or args.fragments is not None
-                                         or args.overlap is not None):
-        print("--outer-lr, --outer-momentum, --residual-decay, --fragments and --overlap need --mode diloco or "
-              "sparse_local", file=sys.stderr)
+                                         or args.overlap is not None or args.error_feedback is not None):
+        print("--outer-lr, --outer-momentum, --residual-decay, --error-feedback, --fragments and --overlap need "
+              "--mode diloco or sparse_local", file=sys.stderr)
+        return 2
+    if args.error_feedback == "model" and (args.overlap or (args.mode == "diloco" and args.compression == "auto")):
+        print("--error-feedback model: needs a compressed round (--mode sparse_local, or diloco with --compression) "
+              "and --overlap 0", file=sys.stderr)
         return 2
     if args.mode in LOCAL_STEPS and ((args.fragments or 1) > args.frequency
                                      or (args.overlap or 0) > args.frequency // (args.fragments or 1)):
@@ -357,7 +369,7 @@ def _local_steps_text(opts: Dict[str, Any]) -> str:
     outer = o["outer_optimizer"]
     text = f", {o['compression'] or 'dense'}"
     if o["compression"] is not None:
-        text += f", residual decay {o['residual_decay']:g}"
+        text += f", residual decay {o['residual_decay']:g}, error feedback in the {o['error_feedback']}"
     if o["fragments"] > 1 or o["overlap"]:
         text += f", {o['fragments']} fragments, overlap {o['overlap']} step" + ("" if o['overlap'] == 1 else "s")
     if not outer:
