@@ -9,7 +9,7 @@ step on the first attempt only: torchrun's restart count is 0 and kill_once_file
 hang_at_step (that rank stops answering instead), attempt_log (a file each rank appends the steps it
 executes to), step_sleep (seconds per step), hook (register gradshare's threshold hook on the DDP model),
 local (local steps instead of DDP: a dict of gradshare.ParameterAveraging options frequency, outer_lr,
-outer_momentum, density, residual_decay, fragments, overlap; each rank checkpoints its own model, which differs mid-round).
+outer_momentum, density, residual_decay, fragments, overlap, error_feedback; each rank checkpoints its own model, which differs mid-round).
 """
 import gzip
 import os
@@ -91,7 +91,7 @@ def train(config, ctx):
             model, opt, frequency=local.get("frequency", 5), outer_optimizer=outer,
             compression=gradshare.TopK(local["density"], warmup_steps=0) if local.get("density") else None,
             residual_decay=local.get("residual_decay", 1.0), fragments=local.get("fragments", 1),
-            overlap=local.get("overlap", 0))
+            overlap=local.get("overlap", 0), error_feedback=local.get("error_feedback", "buffer"))
     if config.get("hook"):
         import gradshare
 

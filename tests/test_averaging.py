@@ -244,6 +244,27 @@ def _model_error_feedback():
     return out
 
 
+def _model_error_feedback_skips_a_nonfinite_round():
+    # nonfinite="skip": a round whose change holds a NaN on one rank is dropped on every rank, and each rank's
+    # model goes back to its own start of the round (the mean result minus what it kept), finite
+    rank = dist.get_rank()
+    model = _model()
+    pa = ParameterAveraging(model, torch.optim.SGD(model.parameters(), lr=0.1), frequency=3, nonfinite="skip",
+                            compression=gradshare.TopK(0.05, warmup_steps=0), error_feedback="model")
+    _train(model, pa, rank, 3)                                          # a round: something kept back
+    b = pa.sharing.buckets[0]
+    start = (b.snapshot - b.residual).clone()
+    snapshot, rounds = b.snapshot.clone(), pa.rounds
+    _train(model, pa, rank, 2)
+    if rank == 1:
+        with torch.no_grad():
+            next(model.parameters()).view(-1)[0] = float("nan")
+    _train(model, pa, rank, 1)                                          # the round: dropped everywhere
+    return {"skipped": pa.sharing.step_skipped, "back_to_start": torch.equal(_flat(model), start),
+            "snapshot_kept": torch.equal(b.snapshot, snapshot), "kept_back": b.residual.abs().sum().item() > 0,
+            "rounds": pa.rounds - rounds}
+
+
 def _all_checks():
     # One group runs every check (starting worker processes is the slow part).
     return {"bitwise_sgd": _bitwise_after_round("sgd"), "bitwise_adam": _bitwise_after_round("adam"),
@@ -252,7 +273,8 @@ def _all_checks():
             "broadcast": _initial_broadcast(), "dense_pseudo": _dense_pseudo_gradient_equals_averaging(),
             "sparse_pseudo": _sparse_pseudo_gradient(True),
             "sparse_pseudo_rmsprop": _sparse_pseudo_gradient(True, "rmsprop"),
-            "model_error_feedback": _model_error_feedback()}
+            "model_error_feedback": _model_error_feedback(),
+            "model_error_feedback_skip": _model_error_feedback_skips_a_nonfinite_round()}
 
 
 def test_outer_sgd_of_lr_1_on_the_dense_pseudo_gradient_is_parameter_averaging(results):
@@ -286,6 +308,12 @@ def test_error_feedback_in_the_model_keeps_the_ranks_mean_and_average_merges_it(
         assert r["average_mean_kept"] < 1e-6 and r["average_residual"] == 0
         assert r["average_sent"] >= r["dense_round"]
     assert results[0]["model_error_feedback"]["mean_kept"] == results[1]["model_error_feedback"]["mean_kept"]
+
+
+def test_error_feedback_in_the_model_drops_a_nonfinite_round_back_to_each_ranks_own_start(results):
+    for r in [r["model_error_feedback_skip"] for r in results]:
+        assert r["skipped"] and r["snapshot_kept"] and r["kept_back"] and r["rounds"] == 1
+        assert r["back_to_start"], "the rank's model is its own start of the round: the mean result minus what it kept"
 
 
 @pytest.fixture(scope="module")

@@ -152,11 +152,15 @@ LOCAL_CONFIG = dict(FAULT_CONFIG, local={"frequency": 4, "outer_lr": 0.7, "outer
 
 # Streaming: two fragments, fragment 1's round sent after step 70 (2 + 4k) still travels at the checkpoint.
 STREAMING_CONFIG = dict(FAULT_CONFIG, local=dict(LOCAL_CONFIG["local"], fragments=2, overlap=1))
+# What a round does not send kept in each rank's own model (no outer optimizer, no decay): the replicas differ
+# at every step, by what each holds back.
+MODEL_FEEDBACK_CONFIG = dict(FAULT_CONFIG, local={"frequency": 4, "density": 0.25, "error_feedback": "model"})
 
 
 @pytest.mark.slow
 @needs_torchrun
-@pytest.mark.parametrize("config", [LOCAL_CONFIG, STREAMING_CONFIG], ids=["rounds", "streaming"])
+@pytest.mark.parametrize("config", [LOCAL_CONFIG, STREAMING_CONFIG, MODEL_FEEDBACK_CONFIG],
+                         ids=["rounds", "streaming", "error_feedback_model"])
 def test_torchrun_restart_after_sigkill_resumes_local_steps_exactly(tmp_path, config):
     ref = cluster_job.reference(config)
     proc, out = _torchrun(tmp_path, dict(config, kill_at_step=75, kill_rank=1), max_restarts=2)
