@@ -63,6 +63,8 @@ CONTENDERS: Dict[str, str] = {
                                "steps the change ternary-coded (2 bits an element) with error feedback",
     "gradshare_streaming": "gradshare_diloco with streaming rounds (`--fragments 4 --overlap period/4`): a quarter of "
                            "the model every period/4 steps, each exchange travelling while the next period/4 steps train",
+    "gradshare_ternary_model": "gradshare ParameterAveraging(compression=Ternary(), error_feedback=\"model\"): every "
+                               "period steps the change ternary-coded, what is not sent kept in each worker's model",
     "gradshare_ternary_streaming": "gradshare_ternary_local whose exchange travels while the next step trains "
                                    "(overlap=1)",
     "gradshare_hook_dgc": "DDP + gradshare threshold_hook with momentum correction (momentum moved into the hook, "
@@ -76,7 +78,8 @@ WORKLOADS = ("mnist_cnn", "mlp", "char_lm")
 LOSS_WORKLOADS = ("char_lm",)       # judged by validation loss, trained with bench/workloads.py's recipe
 # contenders that talk once every `period` steps: the period can be given as a suffix, NAME_hPERIOD
 PERIODIC = ("torch_averaging", "gradshare_averaging", "gradshare_diloco", "gradshare_sparse_local",
-            "gradshare_ternary_local", "gradshare_streaming", "gradshare_ternary_streaming", "torchft_diloco")
+            "gradshare_ternary_local", "gradshare_ternary_model", "gradshare_streaming", "gradshare_ternary_streaming",
+            "torchft_diloco")
 
 
 def metric_of(workload: str) -> str:
@@ -116,6 +119,7 @@ def missing_reason(contender: str) -> Optional[str]:
             "gradshare_diloco": ("gradshare.train", ("local_steps_options",)),
             "gradshare_sparse_local": ("gradshare.train", ("local_steps_options",)),
             "gradshare_ternary_local": ("gradshare.averaging", ("ParameterAveraging",)),
+            "gradshare_ternary_model": ("gradshare.averaging", ("ParameterAveraging",)),
             "gradshare_streaming": ("gradshare.train", ("local_steps_options",)),
             "gradshare_ternary_streaming": ("gradshare.averaging", ("ParameterAveraging",)),
             "torchft_diloco": ("torchft.local_sgd", ("DiLoCo",))}.get(contender)
@@ -384,8 +388,8 @@ def setup_contender(contender: str, model: nn.Module, args, task: Task, timer: T
         info["period"] = period
         account = lambda: {"bytes_sent": opt.bytes_sent, "dense_bytes": opt.dense_bytes}  # noqa: E731
         return model, opt, info, account
-    if name in ("gradshare_diloco", "gradshare_sparse_local", "gradshare_ternary_local", "gradshare_streaming",
-                "gradshare_ternary_streaming"):
+    if name in ("gradshare_diloco", "gradshare_sparse_local", "gradshare_ternary_local", "gradshare_ternary_model",
+                "gradshare_streaming", "gradshare_ternary_streaming"):
         from gradshare.averaging import ParameterAveraging
         from gradshare.compression import Ternary
         from gradshare.train import local_steps_options
@@ -393,6 +397,8 @@ def setup_contender(contender: str, model: nn.Module, args, task: Task, timer: T
         if name in ("gradshare_ternary_local", "gradshare_ternary_streaming"):
             kwargs = {"compression": Ternary(), "residual_decay": 0.9,
                       "overlap": int(name == "gradshare_ternary_streaming")}
+        elif name == "gradshare_ternary_model":
+            kwargs = {"compression": Ternary(), "residual_decay": 1.0, "error_feedback": "model"}
         else:                               # what `gradshare train --mode diloco / sparse_local` sets up
             streaming = {"fragments": 4, "overlap": period // 4} if name == "gradshare_streaming" else {}
             o = local_steps_options({"mode": "sparse_local" if name == "gradshare_sparse_local" else "diloco",
