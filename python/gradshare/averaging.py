@@ -102,7 +102,8 @@ class ParameterAveraging(WrappedOptimizer):
         nonfinite, bucket_cap_mb, stats: as for SharedOptimizer (pseudo-gradient modes).
 
     Use ``opt.zero_grad(); loss.backward(); opt.step()`` as with the wrapped optimizer. ``average()``
-    forces a round now (collective). ``bytes_sent`` / ``dense_bytes``: what this rank sent, and what an
+    forces a round now (collective; with ``error_feedback="model"`` a float32 one that leaves identical
+    replicas). ``bytes_sent`` / ``dense_bytes``: what this rank sent, and what an
     all-reduce of the gradients at every step would have sent.
     """
 
