@@ -25,7 +25,8 @@ def _one_rank(steps=11, **kw):
     (dict(compression="dense", overlap=2), 2),                # sent after steps 4 and 8, applied after 6 and 10
     (dict(compression="dense", fragments=2, overlap=2), 5),
     (dict(outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0), fragments=3, overlap=1), 8),
-], ids=["fragments", "overlap", "both", "outer_lr_1"])
+    (dict(compression=gradshare.TopK(0.05, warmup_steps=0), error_feedback="model", fragments=2, overlap=2), 5),
+], ids=["fragments", "overlap", "both", "outer_lr_1", "model_feedback"])
 def test_on_one_rank_the_rounds_apply_the_ranks_own_change_and_lose_no_step(kw, rounds):
     # One rank: the mean change is the rank's own, so a round must leave the parameters where training took
     # them, steps taken while the exchange travelled included (they are carried on top of the new start).
@@ -125,6 +126,52 @@ def _two_ranks():
     _train(m2, pa2, rank + 7, 7)
     out["resume"] = {"travelling": travelling, "exact": torch.equal(_flat(model, inner), _flat(m2, inner2)),
                      "rounds": (pa.rounds, pa2.rounds), "bytes": (pa.bytes_sent, pa2.bytes_sent)}
+    out["model_feedback"] = _model_feedback_overlapped(rank)
+    return out
+
+
+def _make_model_feedback():
+    model = _mlp()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)       # its steps as they are (no rescaling)
+    return model, inner, ParameterAveraging(model, inner, frequency=4, compression=gradshare.TopK(0.05, warmup_steps=0),
+                                            error_feedback="model", fragments=2, overlap=2)
+
+
+def _model_feedback_overlapped(rank):
+    # error_feedback="model" with exchanges that travel: when a round lands, each rank's model becomes the new
+    # start minus what it has not sent plus its steps since the launch, so no landing moves the mean of the
+    # ranks' models (what they trained to); the starts agree on every rank, the models differ by what each kept.
+    model, inner, pa = _make_model_feedback()
+    stepped = []
+    inner.register_step_post_hook(lambda *a: stepped.append(_flat(model).clone()))
+    starts_same, mean_moved, landed = [], [], 0
+    for s in range(12):
+        rounds = pa.rounds
+        _train(model, pa, rank * 100 + s, 1)
+        landed += pa.rounds - rounds
+        starts_same.append(torch.equal(*_gather(torch.cat([b.snapshot for b in pa.sharing.buckets]))))
+        mean_moved.append((sum(_gather(_flat(model))) - sum(_gather(stepped[-1]))).abs().max().item() / 2)
+    kept = sum(b.residual.abs().sum().item() for b in pa.sharing.buckets)
+    mid_differs = not torch.equal(*_gather(_flat(model)))
+    before = sum(_gather(_flat(model))) / 2
+    pa.average()
+    after = _gather(_flat(model))
+    out = {"landed": landed, "starts_same": starts_same, "mean_moved": max(mean_moved), "kept": kept,
+           "mid_differs": mid_differs, "end_same": torch.equal(*after), "end_mean_moved": (after[0] - before).abs().max().item(),
+           "end_residual": sum(b.residual.abs().sum().item() for b in pa.sharing.buckets)}
+    # a checkpoint taken while an exchange travels resumes bit for bit
+    model, inner, pa = _make_model_feedback()
+    _train(model, pa, rank, 5)
+    out["travelling"] = len(pa._inflight)
+    sd = {"model": copy.deepcopy(model.state_dict()), "inner": copy.deepcopy(inner.state_dict()),
+          "pa": copy.deepcopy(pa.state_dict())}
+    _train(model, pa, rank + 7, 7)
+    m2, inner2, pa2 = _make_model_feedback()
+    m2.load_state_dict(sd["model"])
+    inner2.load_state_dict(sd["inner"])
+    pa2.load_state_dict(sd["pa"])
+    _train(m2, pa2, rank + 7, 7)
+    out["resume_exact"] = torch.equal(_flat(model, inner), _flat(m2, inner2)) and pa.rounds == pa2.rounds
     return out
 
 
@@ -152,3 +199,13 @@ def test_a_checkpoint_with_an_exchange_in_flight_resumes_bit_for_bit(two_ranks):
         assert res["travelling"] == 1
         assert res["exact"]
         assert res["rounds"][0] == res["rounds"][1] and res["bytes"][0] == res["bytes"][1]
+
+
+@pytest.mark.slow
+def test_error_feedback_in_the_model_with_travelling_exchanges_keeps_the_ranks_mean(two_ranks):
+    for r in [x["model_feedback"] for x in two_ranks]:
+        assert r["landed"] == 5 and all(r["starts_same"])
+        assert r["mean_moved"] < 1e-6, "a landing moves no rank's progress out of the ranks' mean model"
+        assert r["kept"] > 0 and r["mid_differs"], "each rank's model keeps what it has not sent"
+        assert r["end_same"] and r["end_mean_moved"] < 1e-6 and r["end_residual"] == 0
+        assert r["travelling"] == 1 and r["resume_exact"]

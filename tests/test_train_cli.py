@@ -78,8 +78,6 @@ def test_bad_option_combinations_are_rejected(capsys):
     assert main(["train", "--mode", "diloco", "--frequency", "4", "--fragments", "2", "--overlap", "3"]) == 2
     assert main(["train", "--mode", "averaging", "--error-feedback", "model"]) == 2   # needs local steps
     assert main(["train", "--mode", "diloco", "--error-feedback", "model"]) == 2       # ... and a compressed round
-    assert main(["train", "--mode", "sparse_local", "--frequency", "4", "--overlap", "1",
-                 "--error-feedback", "model"]) == 2                                    # ... that ends where it began
 
 
 def test_compression_specs_and_config():

@@ -94,7 +94,7 @@ class ParameterAveraging(WrappedOptimizer):
             SparseLoCo's): in an error-feedback buffer, every rank's model set to the round's mean result;
             "model": in the rank's own model, which keeps its unsent progress (module docstring). The ranks'
             models then differ between rounds by what each has not sent; :meth:`average` ends with identical
-            replicas by a float32 all-reduce of the whole change. Needs ``overlap=0``.
+            replicas by a float32 all-reduce of the whole change.
         fragments: pseudo-gradient modes: rounds of F fragments of the model, staggered over the period (module
             docstring: streaming). 1 (default): every round covers the whole model.
         overlap: pseudo-gradient modes: inner steps a round's exchange travels while training goes on, from 0
@@ -135,9 +135,6 @@ class ParameterAveraging(WrappedOptimizer):
         if error_feedback == "model" and compression is None:
             raise ValueError("error_feedback='model' keeps what a compressed round did not send in the rank's model: "
                              "pass compression= (without it a round sends the whole change)")
-        if error_feedback == "model" and overlap:
-            raise ValueError("error_feedback='model' needs overlap=0: the rank's model takes the round's mean result "
-                             "minus what it kept when the round ends")
         if pseudo and average_optimizer_state:
             raise ValueError("average_optimizer_state=True: with outer_optimizer or compression only the "
                              "pseudo-gradient is shared; the inner optimizer's state stays on its rank")

@@ -723,6 +723,7 @@ class Sharing:
             return self.finish(self.collect(launched))
         except BaseException:
             self.restore_params([b for b, _ in launched])
+            self.residual_into_params([b for b, _ in launched])   # error_feedback="model": the rank's own start
             raise
 
     @torch.no_grad()
@@ -731,7 +732,9 @@ class Sharing:
         step on it), the same on every rank, and becomes the next round's start; the steps each rank took
         since the launch stay on top of it, so they are shared by the next round and nothing is lost. A
         skipped round (``ok`` False) sets the parameters back to the round's start, steps since included,
-        so that every rank holds the same."""
+        so that every rank holds the same. With ``error_feedback="model"`` each rank's model then goes on
+        holding what it has not sent (:meth:`residual_into_params`): the new start minus the rank's residual,
+        plus its steps since the launch; a skipped round leaves it at its own start of the round."""
         for b in buckets:
             torch.sub(b.gather_params(b.flat), b.launched, out=b.flat)    # the steps since the launch
         self._apply_mean(buckets, [b.mean for b in buckets], ok, outer)
@@ -740,6 +743,7 @@ class Sharing:
             if ok:
                 for p, v in b.views(b.flat):
                     p.detach().add_(v.to(p.dtype))
+        self.residual_into_params(buckets)
 
     def _grads_flag(self) -> torch.Tensor:
         grads = [p.grad for b in self.buckets for p in b.params if p.grad is not None]

@@ -327,9 +327,9 @@ def run(args: argparse.Namespace) -> int:
         print("--outer-lr, --outer-momentum, --residual-decay, --error-feedback, --fragments and --overlap need "
               "--mode diloco or sparse_local", file=sys.stderr)
         return 2
-    if args.error_feedback == "model" and (args.overlap or (args.mode == "diloco" and args.compression == "auto")):
-        print("--error-feedback model: needs a compressed round (--mode sparse_local, or diloco with --compression) "
-              "and --overlap 0", file=sys.stderr)
+    if args.error_feedback == "model" and args.mode == "diloco" and args.compression == "auto":
+        print("--error-feedback model: needs a compressed round (--mode sparse_local, or diloco with --compression)",
+              file=sys.stderr)
         return 2
     if args.mode in LOCAL_STEPS and ((args.fragments or 1) > args.frequency
                                      or (args.overlap or 0) > args.frequency // (args.fragments or 1)):
