@@ -73,8 +73,9 @@ def _cluster_job(ckdir, opts):
 
 
 @pytest.mark.parametrize("mode, streaming", [("diloco", {}), ("sparse_local", {}),
-                                             ("diloco", {"fragments": 2, "overlap": 1})],
-                         ids=["diloco", "sparse_local", "diloco_streaming"])
+                                             ("diloco", {"fragments": 2, "overlap": 1}),
+                                             ("sparse_local", {"fragments": 2, "overlap": 1})],
+                         ids=["diloco", "sparse_local", "diloco_streaming", "sparse_local_streaming"])
 def test_local_steps_resume_from_a_mid_round_checkpoint_exactly(tmp_path, mode, streaming):
     # a round every 3 steps (and at each epoch's end: 23 steps): the step-40 checkpoint is mid-round (streaming:
     # fragment 1's round, sent after step 40, still travels)

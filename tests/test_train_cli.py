@@ -119,6 +119,8 @@ def test_local_steps_modes_build_parameter_averaging_options():
     assert (d.fragments, d.overlap) == (1, 0)
     streamed = build_config({"mode": "diloco", "frequency": 20, "fragments": 4, "overlap": 5})
     assert (streamed.fragments, streamed.overlap) == (4, 5)
+    travelling = build_config({"mode": "sparse_local", "frequency": 4, "overlap": 1})   # kept in the model, late
+    assert (travelling.overlap, travelling.error_feedback) == (1, "model")
     plain = build_config({"mode": "averaging", "compression": "topk"})      # averaging ignores --compression
     assert plain.compression is None and plain.outer_optimizer is None
 
