@@ -41,7 +41,8 @@ must carry falls F-fold. ``overlap=T`` lets each round's exchange travel while t
 inner steps (at most ``H // F``), so that the link's time hides behind compute. When it lands, the round's
 start moves by the mean change (or by the outer optimizer's step on it), the same on every rank, and the
 steps each rank took meanwhile stay on top of it: they are part of the next round's change, so nothing is
-lost. Warm-up rounds and :meth:`ParameterAveraging.average` (an epoch's end in gradshare's loops) are whole
+lost (with ``error_feedback="model"`` the rank's model is that, minus what the rank has not sent: only the
+others' share of the round arrives late). Warm-up rounds and :meth:`ParameterAveraging.average` (an epoch's end in gradshare's loops) are whole
 and synchronous; they land what still travels first.
 
 Adaptive optimizers (Adam, AdamW, NAdam, RAdam, RMSprop, Adagrad, Adadelta, Adamax, Adafactor): each inner
