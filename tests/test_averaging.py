@@ -244,12 +244,13 @@ def _model_error_feedback():
     return out
 
 
-def _model_error_feedback_skips_a_nonfinite_round():
+def _model_error_feedback_skips_a_nonfinite_round(nonfinite="skip"):
     # nonfinite="skip": a round whose change holds a NaN on one rank is dropped on every rank, and each rank's
-    # model goes back to its own start of the round (the mean result minus what it kept), finite
+    # model goes back to its own start of the round (the mean result minus what it kept), finite; "raise": the
+    # same, and the round raises NonFiniteStepError on every rank
     rank = dist.get_rank()
     model = _model()
-    pa = ParameterAveraging(model, torch.optim.SGD(model.parameters(), lr=0.1), frequency=3, nonfinite="skip",
+    pa = ParameterAveraging(model, torch.optim.SGD(model.parameters(), lr=0.1), frequency=3, nonfinite=nonfinite,
                             compression=gradshare.TopK(0.05, warmup_steps=0), error_feedback="model")
     _train(model, pa, rank, 3)                                          # a round: something kept back
     b = pa.sharing.buckets[0]
@@ -259,7 +260,14 @@ def _model_error_feedback_skips_a_nonfinite_round():
     if rank == 1:
         with torch.no_grad():
             next(model.parameters()).view(-1)[0] = float("nan")
-    _train(model, pa, rank, 1)                                          # the round: dropped everywhere
+    raised = False
+    try:
+        _train(model, pa, rank, 1)                                      # the round: dropped everywhere
+    except gradshare.comm.NonFiniteStepError:
+        raised = True
+    if nonfinite == "raise":
+        return {"raised": raised, "back_to_start": torch.equal(_flat(model), start),
+                "snapshot_kept": torch.equal(b.snapshot, snapshot)}
     return {"skipped": pa.sharing.step_skipped, "back_to_start": torch.equal(_flat(model), start),
             "snapshot_kept": torch.equal(b.snapshot, snapshot), "kept_back": b.residual.abs().sum().item() > 0,
             "rounds": pa.rounds - rounds}
@@ -274,7 +282,8 @@ def _all_checks():
             "sparse_pseudo": _sparse_pseudo_gradient(True),
             "sparse_pseudo_rmsprop": _sparse_pseudo_gradient(True, "rmsprop"),
             "model_error_feedback": _model_error_feedback(),
-            "model_error_feedback_skip": _model_error_feedback_skips_a_nonfinite_round()}
+            "model_error_feedback_skip": _model_error_feedback_skips_a_nonfinite_round(),
+            "model_error_feedback_raise": _model_error_feedback_skips_a_nonfinite_round("raise")}
 
 
 def test_outer_sgd_of_lr_1_on_the_dense_pseudo_gradient_is_parameter_averaging(results):
@@ -314,6 +323,9 @@ def test_error_feedback_in_the_model_drops_a_nonfinite_round_back_to_each_ranks_
     for r in [r["model_error_feedback_skip"] for r in results]:
         assert r["skipped"] and r["snapshot_kept"] and r["kept_back"] and r["rounds"] == 1
         assert r["back_to_start"], "the rank's model is its own start of the round: the mean result minus what it kept"
+    for r in [r["model_error_feedback_raise"] for r in results]:
+        assert r["raised"] and r["snapshot_kept"]
+        assert r["back_to_start"], "a round that raises leaves each rank at its own start of the round too"
 
 
 @pytest.fixture(scope="module")

@@ -248,9 +248,6 @@ class ParameterAveraging(WrappedOptimizer):
             before = sh.stats.bytes_sent
             try:
                 sh.share_updates(outer=self.outer, buckets=frag)
-            except BaseException:
-                sh.residual_into_params(frag)             # error_feedback="model": the rank's own round start
-                raise
             finally:
                 self.bytes_sent += sh.stats.bytes_sent - before
         self.rounds += 1

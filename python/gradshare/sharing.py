@@ -572,6 +572,7 @@ class Sharing:
             results = self.run(items)
         except BaseException:
             self.restore_params(bs)
+            self.residual_into_params(bs)         # error_feedback="model": the rank's own start
             raise
         ok = self.finish(results)
         if ok and watched:
@@ -723,7 +724,7 @@ class Sharing:
             return self.finish(self.collect(launched))
         except BaseException:
             self.restore_params([b for b, _ in launched])
-            self.residual_into_params([b for b, _ in launched])   # error_feedback="model": the rank's own start
+            self.residual_into_params([b for b, _ in launched])     # error_feedback="model": the rank's own start
             raise
 
     @torch.no_grad()
