@@ -286,6 +286,10 @@ def bench_n(n: int, densities, device, repeats: int, warmup: int) -> list:
             update, residual, k, chunk=chunk, values="int8", kept=kept),
             lambda k=max(1, round(d * chunk)): naive_topk(update, residual, k, chunk, kept_naive), d)
             for d in densities}
+        # the signs layout at 10% (local steps' pseudo-gradient): the same selection, Elias-Fano coded indices
+        chunked["topk_sign@0.1"] = (lambda k=round(0.1 * chunk): ops.encode_topk(
+            update, residual, k, chunk=chunk, values="sign", kept=kept),
+            lambda k=round(0.1 * chunk): naive_topk(update, residual, k, chunk, kept_naive), 0.1)
         chunked["ternary"] = (lambda: ops.encode_ternary(update, residual, 0.5, chunk=chunk, kept=kept),
                               lambda: naive_ternary(update, residual, 0.5, chunk, kept_naive), None)
         velocity = (torch.randn(n, generator=g) * TAU).to(device)

@@ -47,18 +47,24 @@ def _ternary(u, r, f, chunk):
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("chunk,k", [(16, 1), (16, 16), (64, 3), (4096, 0), (4096, 41), (4096, 4096), (65536, 655)])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("values", ["bf16", "int8"])
+@pytest.mark.parametrize("values", ["bf16", "int8", "sign"])
 def test_topk_matches_reference(n, chunk, k, dtype, values):
     update, residual = _state(n, dtype)
     msg, kept = _both(_topk, R.encode_topk, update, residual, k, chunk, values)
-    fmt = M.TOPK if values == "bf16" else M.TOPK8
+    fmt = ops.TOPK_VALUES[values]
     assert msg.numel() == M.chunked_words(fmt, n, chunk, k)
     if n:
         assert msg[1] == fmt and msg[3] == chunk and msg[4] == k
-    # Error feedback is exact: what was sent plus what is kept is u (as values: 0.0 + -0.0 is +0.0).
+    # Error feedback is exact: what was sent plus what is kept is u (as values: 0.0 + -0.0 is +0.0); for
+    # "sign", u - s rounds once, so within a rounding of the larger of the two.
     out = torch.zeros(n)
     ops.decode(out, msg)
-    assert torch.equal(out + kept, residual + update.float())
+    u = residual + update.float()
+    if values == "sign":
+        assert_bits_equal(kept[out == 0], u[out == 0])
+        torch.testing.assert_close(out + kept, u, rtol=0, atol=1e-6 * max(1.0, float(u.abs().max()) if n else 1.0))
+    else:
+        assert torch.equal(out + kept, u)
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -101,6 +107,25 @@ def test_topk_picks_the_largest_per_chunk_with_values():
     assert r.tolist() == [0.5, 0.0, 0.0, 0.125, 0.0, -0.25, 0.0, -1.0]
 
 
+def test_topk_signs_send_plus_minus_the_mean_of_the_chunks_entries():
+    u = torch.tensor([0.5, -3.0, 2.0, 0.125, 3.0, -0.25, 1.0, -1.0])
+    r = torch.zeros(8)
+    msg = ops.encode_topk(u, r, 2, chunk=4, values="sign")   # entries -3, 2 (scale 2.5) and 3, 1 (scale 2)
+    assert int(msg[1]) == M.TOPKSIGN and msg.numel() == M.topks_words(8, 4, 2) == 5 + 2 * 2
+    out = torch.zeros(8)
+    ops.decode(out, msg)
+    assert out.tolist() == [0.0, -2.5, 2.5, 0.0, 2.0, 0.0, 2.0, 0.0]
+    assert r.tolist() == [0.5, -0.5, -0.5, 0.125, 1.0, -0.25, -1.0, -1.0]
+
+
+def test_topk_signs_code_an_index_in_about_3_plus_log2_of_the_gap_bits():
+    n, chunk, k = 65536, 65536, 6554                         # 10%: 3 low, ~2.25 high and 1 sign bit an entry
+    msg = ops.encode_topk(torch.randn(n), torch.zeros(n), k, chunk=chunk, values="sign")
+    bits = (msg.numel() - M.HEADER_WORDS - 1) * 32 / k
+    assert 6.2 < bits < 6.3
+    assert M.topk8_words(n, chunk, k) / msg.numel() > 3.8   # against 24 bits an entry
+
+
 def test_ternary_sends_plus_minus_the_mean_of_what_it_sends():
     u = torch.tensor([4.0, -2.0, 0.5, 0.0] + [0.0] * 12)   # one chunk of 16; mean |u| = 6.5 / 16
     r = torch.zeros(16)
@@ -112,7 +137,10 @@ def test_ternary_sends_plus_minus_the_mean_of_what_it_sends():
     assert r[:3].tolist() == pytest.approx([4 - s, -2 + s, 0.5 - s])
 
 
-@pytest.mark.parametrize("kind", ["topk", "topk8", "ternary"])
+VALUES_OF = {"topk": "bf16", "topk8": "int8", "topk_sign": "sign"}
+
+
+@pytest.mark.parametrize("kind", ["topk", "topk8", "topk_sign", "ternary"])
 def test_same_result_for_any_thread_count(kind):
     update, residual = _state(300_000, seed=3)
     results = []
@@ -120,7 +148,7 @@ def test_same_result_for_any_thread_count(kind):
         gradshare.set_num_threads(t)
         r = residual.clone()
         m = (ops.encode_ternary(update, r) if kind == "ternary" else
-             ops.encode_topk(update, r, 41, values="int8" if kind == "topk8" else "bf16"))
+             ops.encode_topk(update, r, 41, values=VALUES_OF[kind]))
         results.append((m, r))
     gradshare.set_num_threads(2)
     for m, r in results[1:]:
@@ -128,7 +156,7 @@ def test_same_result_for_any_thread_count(kind):
         assert_bits_equal(r, results[0][1])
 
 
-@pytest.mark.parametrize("kind", ["topk", "ternary"])
+@pytest.mark.parametrize("kind", ["topk", "topk_sign", "ternary"])
 @pytest.mark.parametrize("n,where", [(1, [0]), (17, [16]), (3 * 4096 + 9, [2 * 4096 + 3, 4096 + 1])])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_nonfinite_gives_a_marker_of_the_same_length_and_keeps_the_residual(kind, n, where, bad):
@@ -136,8 +164,9 @@ def test_nonfinite_gives_a_marker_of_the_same_length_and_keeps_the_residual(kind
     for i in where:
         update[i] = bad
     r = residual.clone()
-    m = ops.encode_topk(update, r, 41) if kind == "topk" else ops.encode_ternary(update, r)
-    words = M.topk_words(n, 4096, 41) if kind == "topk" else M.ternary_words(n, 4096)
+    m = ops.encode_ternary(update, r) if kind == "ternary" else ops.encode_topk(update, r, 41, values=VALUES_OF[kind])
+    words = (M.ternary_words(n, 4096) if kind == "ternary"
+             else M.chunked_words(ops.TOPK_VALUES[VALUES_OF[kind]], n, 4096, 41))
     assert m.numel() == words and int(m[1]) == M.NONFINITE and int(m[3]) == min(where)
     assert torch.equal(m[M.HEADER_WORDS:], torch.zeros(words - M.HEADER_WORDS, dtype=torch.int32))
     assert_bits_equal(r, residual)
@@ -162,13 +191,14 @@ def test_bf16_rounding_never_overflows():
     assert torch.equal(out + r, u)
 
 
-@pytest.mark.parametrize("kind", ["topk", "ternary"])
+@pytest.mark.parametrize("kind", ["topk", "topk_sign", "ternary"])
 @pytest.mark.parametrize("scale", [1.0, 0.5, -1 / 3])
 def test_decode_of_several_rows_matches_reference(kind, scale):
     rows = []
     for seed in range(3):
         update, residual = _state(10_000, seed=seed)
-        rows.append(ops.encode_topk(update, residual, 41) if kind == "topk" else ops.encode_ternary(update, residual))
+        rows.append(ops.encode_ternary(update, residual) if kind == "ternary"
+                    else ops.encode_topk(update, residual, 41, values=VALUES_OF[kind]))
     rows = torch.stack(rows)
     wide = torch.cat([rows, torch.randint(-9, 9, (3, 7), dtype=torch.int32)], dim=1)   # padded rows decode too
     for r in (rows, wide):
@@ -201,6 +231,26 @@ def test_decode_leaves_what_a_message_does_not_send_bit_for_bit(kind):
 
 
 @settings(max_examples=60, deadline=None)
+@given(st.integers(0, 3000), st.sampled_from([1, 3, 16, 48, 256, 1024, 65536]), st.floats(0.0, 1.0),
+       st.integers(0, 2**31 - 1))
+def test_property_topk_signs_match_the_reference_and_decode_to_what_was_taken(n, chunk, density, seed):
+    update, residual = _state(n, seed=seed)
+    k = min(chunk, int(density * chunk))
+    msg, kept = _both(_topk, R.encode_topk, update, residual, k, chunk, "sign")
+    assert msg.numel() == M.topks_words(n, chunk, k)
+    out = torch.zeros(n)
+    ops.decode(out, msg)
+    want = torch.zeros(n)
+    R.decode(want, msg)
+    assert_bits_equal(out, want)
+    u = residual + update
+    assert_bits_equal(kept[out == 0], u[out == 0])           # what was not sent stays whole
+    for lo in range(0, n, chunk):                            # each chunk sends its k_c largest
+        kc = (k * min(chunk, n - lo) + chunk - 1) // chunk
+        assert int((out[lo:lo + chunk] != 0).sum()) <= kc
+
+
+@settings(max_examples=60, deadline=None)
 @given(st.integers(0, 3000), st.sampled_from([16, 48, 256, 1024]), st.floats(0.001, 1.0), st.integers(0, 2**31 - 1))
 def test_property_topk_error_feedback_is_exact(n, chunk, density, seed):
     update, residual = _state(n, seed=seed)
@@ -219,9 +269,9 @@ def test_property_topk_error_feedback_is_exact(n, chunk, density, seed):
 # -------------------------------------------------------------------------------------------- hostile input
 def _valid(kind, n=10_000, seed=0):
     update, residual = _state(n, seed=seed)
-    if kind == "topk8":
-        return ops.encode_topk(update, residual, 41, values="int8")
-    return ops.encode_topk(update, residual, 41) if kind == "topk" else ops.encode_ternary(update, residual)
+    if kind == "ternary":
+        return ops.encode_ternary(update, residual)
+    return ops.encode_topk(update, residual, 41, values=VALUES_OF[kind])
 
 
 def _verdict(fn, n, msg):
@@ -235,7 +285,7 @@ def _verdict(fn, n, msg):
     return "accepted", dst
 
 
-@pytest.mark.parametrize("kind", ["topk", "topk8", "ternary"])
+@pytest.mark.parametrize("kind", ["topk", "topk8", "topk_sign", "ternary"])
 def test_fuzz_mutated_messages(kind):
     """Each mutation is either refused by both decoders (dst untouched) or accepted by both, with one result."""
     rng = np.random.default_rng(1)
@@ -267,7 +317,7 @@ def test_fuzz_mutated_messages(kind):
     assert refused > 100 and accepted > 10
 
 
-@pytest.mark.parametrize("kind", ["topk", "topk8", "ternary"])
+@pytest.mark.parametrize("kind", ["topk", "topk8", "topk_sign", "ternary"])
 def test_truncated_rows_are_refused(kind):
     msg = _valid(kind)
     for cut in (0, 3, 5, msg.numel() // 2, msg.numel() - 1):
@@ -299,12 +349,26 @@ def test_hostile_headers_are_refused():
         m = t8.clone()
         m[word] = value
         cases.append(m)
+    ts = _valid("topk_sign", n)                               # one chunk: scale at 5, the stream from 6
+    kc, low = 41, M.ef_low_bits(4096, 41)
+    high = kc * low                                           # the first high bit
+    for word, value in ((5, M.float_bits(float("nan"))), (5, M.float_bits(-2.0)),
+                        (6 + high // 32, int(ts[6 + high // 32]) ^ (1 << (high % 32))),   # an entry's high bit gone
+                        (ts.numel() - 1, int(ts[-1]) | -2**31)):                          # a bit past the stream
+        m = ts.clone()
+        m[word] = value
+        cases.append(m)
+    m = ts.clone()
+    m[6:6 + (kc * low) // 32] = -1                            # low bits all ones: indices repeat or leave the chunk
+    cases.append(m)
     for m in cases:
         dst = torch.randn(n)
         before = dst.clone()
         with pytest.raises(MessageError):
             ops.decode(dst, m)
         assert_bits_equal(dst, before)
+        with pytest.raises(ValueError):
+            R.decode(dst.clone(), m)
 
 
 def test_value_times_scale_overflow_is_refused():
@@ -353,8 +417,9 @@ def test_update_residual_checks_apply():
 
 
 @pytest.mark.parametrize("op,args", [
-    ("encode_topk", lambda u, r: (u, r, 7, 64, False)),
-    ("encode_topk", lambda u, r: (u, r, 7, 64, True)),
+    ("encode_topk", lambda u, r: (u, r, 7, 64, M.TOPK)),
+    ("encode_topk", lambda u, r: (u, r, 7, 64, M.TOPK8)),
+    ("encode_topk", lambda u, r: (u, r, 7, 64, M.TOPKSIGN)),
     ("encode_ternary", lambda u, r: (u, r, 0.5, 64)),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

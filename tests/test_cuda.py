@@ -505,6 +505,9 @@ def test_native_cuda_entry_points_refuse_unreachable_host_memory():
 # top-k and ternary (csrc/cuda/chunked.cu against csrc/cpu/chunked.cpp)
 # ---------------------------------------------------------------------------------------------------
 
+TOPK_VALUES = {"topk": "bf16", "topk8": "int8", "topk_sign": "sign"}
+
+
 def chunked_state(n, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     update = (torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4).to(dtype)
@@ -521,7 +524,7 @@ def chunked_both(kind, update, residual, param, chunk):
         enc = ops.encode_ternary
     else:
         def enc(u, r, k, chunk):
-            return ops.encode_topk(u, r, k, chunk=chunk, values="int8" if kind == "topk8" else "bf16")
+            return ops.encode_topk(u, r, k, chunk=chunk, values=TOPK_VALUES[kind])
     r_cpu, r_gpu = residual.clone(), gpu(residual)
     m_cpu, m_gpu = enc(update, r_cpu, param, chunk=chunk), enc(gpu(update), r_gpu, param, chunk=chunk)
     assert m_gpu.device.type == r_gpu.device.type == DEV
@@ -533,7 +536,7 @@ def chunked_both(kind, update, residual, param, chunk):
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 255, 257, 4095, 4096, 4097, 3 * 4096 + 17, 2**20 + 7])
 @pytest.mark.parametrize("chunk,k", [(16, 1), (64, 64), (4096, 41), (4096, 1024), (65536, 655)])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", ["topk", "topk8"])
+@pytest.mark.parametrize("kind", ["topk", "topk8", "topk_sign"])
 def test_topk_matches_cpu(n, chunk, k, dtype, kind):
     chunked_both(kind, *chunked_state(n, dtype, seed=n), k, chunk)
 
@@ -548,7 +551,7 @@ def test_ternary_matches_cpu(n, chunk, fraction, dtype):
 
 @pytest.mark.parametrize("n,chunk,k", [(4096, 4096, 100), (3 * 65536 + 100, 65536, 20000),
                                        (2 * 65536, 65536, 65000)])
-@pytest.mark.parametrize("kind", ["topk", "topk8"])
+@pytest.mark.parametrize("kind", ["topk", "topk8", "topk_sign"])
 def test_topk_equal_magnitudes_take_the_lowest_indices(n, chunk, k, kind):
     # the ties span the kernel's tiles of a chunk (4096 elements): the lowest indices across them win
     update = torch.ones(n) * 0.5
@@ -558,7 +561,7 @@ def test_topk_equal_magnitudes_take_the_lowest_indices(n, chunk, k, kind):
 
 
 @pytest.mark.parametrize("every,k", [(30, 1000), (30, 3000), (17, 2000), (2, 10)])
-@pytest.mark.parametrize("kind", ["topk", "topk8"])
+@pytest.mark.parametrize("kind", ["topk", "topk8", "topk_sign"])
 def test_topk_ties_among_the_threshold_bins_elements(every, k, kind):
     # The kernel resolves the bin of the k-th largest in shared memory when it holds few enough elements
     # (here 65536 / every of them equal, among small values), else over the whole chunk (every = 2).
@@ -570,7 +573,7 @@ def test_topk_ties_among_the_threshold_bins_elements(every, k, kind):
     chunked_both(kind, update, torch.zeros(n), k, 65536)
 
 
-@pytest.mark.parametrize("kind", ["topk", "topk8", "ternary"])
+@pytest.mark.parametrize("kind", ["topk", "topk8", "topk_sign", "ternary"])
 def test_chunked_encode_does_not_wait_for_the_device(kind):
     # The message length is fixed, so the host only queues work: with the stream held busy, the encode
     # returns before it runs; the result is the same once it does.
@@ -582,19 +585,19 @@ def test_chunked_encode_does_not_wait_for_the_device(kind):
     if kind == "ternary":
         msg = ops.encode_ternary(u, r, 0.5, chunk=65536)
     else:
-        msg = ops.encode_topk(u, r, 655, chunk=65536, values="int8" if kind == "topk8" else "bf16")
+        msg = ops.encode_topk(u, r, 655, chunk=65536, values=TOPK_VALUES[kind])
     assert not stream.query()
     torch.cuda.synchronize()
     r_cpu = residual.clone()
     if kind == "ternary":
         want = ops.encode_ternary(update, r_cpu, 0.5, chunk=65536)
     else:
-        want = ops.encode_topk(update, r_cpu, 655, chunk=65536, values="int8" if kind == "topk8" else "bf16")
+        want = ops.encode_topk(update, r_cpu, 655, chunk=65536, values=TOPK_VALUES[kind])
     assert_bits_equal(msg, want)
     assert_bits_equal(r, r_cpu)
 
 
-@pytest.mark.parametrize("kind", ["topk", "topk8", "ternary"])
+@pytest.mark.parametrize("kind", ["topk", "topk8", "topk_sign", "ternary"])
 @pytest.mark.parametrize("where", [0, 4097, 3 * 4096 + 5])
 def test_chunked_nonfinite_marker_like_cpu(kind, where):
     update, residual = chunked_state(3 * 4096 + 17)
@@ -603,7 +606,7 @@ def test_chunked_nonfinite_marker_like_cpu(kind, where):
     assert int(msg[1]) == NONFINITE and int(msg[3]) == where
 
 
-@pytest.mark.parametrize("kind", ["topk", "topk8", "ternary"])
+@pytest.mark.parametrize("kind", ["topk", "topk8", "topk_sign", "ternary"])
 @pytest.mark.parametrize("scale", [1.0, -0.5])
 def test_chunked_decode_matches_cpu(kind, scale):
     rows = torch.stack([chunked_both(kind, *chunked_state(70001, seed=s), 0.5 if kind == "ternary" else 41, 4096)
@@ -615,7 +618,7 @@ def test_chunked_decode_matches_cpu(kind, scale):
     assert_bits_equal(d_gpu, d_cpu)
 
 
-@pytest.mark.parametrize("kind", ["topk", "topk8", "ternary"])
+@pytest.mark.parametrize("kind", ["topk", "topk8", "topk_sign", "ternary"])
 def test_chunked_mutations_rejected_like_cpu(kind):
     rng = np.random.default_rng(5)
     base = chunked_both(kind, *chunked_state(10_000), 0.5 if kind == "ternary" else 41, 4096)
@@ -643,13 +646,14 @@ def test_chunked_mutations_rejected_like_cpu(kind):
             assert_bits_equal(d_gpu, before)
 
 
-@pytest.mark.parametrize("kind", ["strom", "topk", "topk8", "ternary"])
+@pytest.mark.parametrize("kind", ["strom", "topk", "topk8", "topk_sign", "ternary"])
 @pytest.mark.parametrize("n", [1, 4097, 2**20 + 7])
 def test_kept_on_the_gpu_matches_in_place_on_the_cpu(kind, n):
     update, residual = make_state(n, 0.05, seed=n)
     enc = {"strom": lambda u, r, **kw: ops.encode(u, r, 1.0, clip=0.5, **kw),
            "topk": lambda u, r, **kw: ops.encode_topk(u, r, 41, chunk=4096, **kw),
            "topk8": lambda u, r, **kw: ops.encode_topk(u, r, 82, chunk=4096, values="int8", **kw),
+           "topk_sign": lambda u, r, **kw: ops.encode_topk(u, r, 410, chunk=4096, values="sign", **kw),
            "ternary": lambda u, r, **kw: ops.encode_ternary(u, r, 0.5, chunk=4096, **kw)}[kind]
     r_cpu = residual.clone()
     m_cpu = enc(update, r_cpu)
@@ -664,7 +668,7 @@ def test_kept_on_the_gpu_matches_in_place_on_the_cpu(kind, n):
 # momentum fused into the encoders (velocity=): the GPU against the CPU
 # ---------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["strom", "strom_bitmap", "topk", "topk8", "ternary"])
+@pytest.mark.parametrize("kind", ["strom", "strom_bitmap", "topk", "topk8", "topk_sign", "ternary"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [1, 17, TILE + 1, 4097, 2**20 + 7])
 @pytest.mark.parametrize("in_place", [True, False])
@@ -673,6 +677,7 @@ def test_fused_momentum_matches_cpu(kind, dtype, n, in_place):
            "strom_bitmap": lambda u, r, **kw: ops.encode(u, r, 0.01, format="bitmap", **kw),
            "topk": lambda u, r, **kw: ops.encode_topk(u, r, 41, chunk=4096, **kw),
            "topk8": lambda u, r, **kw: ops.encode_topk(u, r, 82, chunk=4096, values="int8", **kw),
+           "topk_sign": lambda u, r, **kw: ops.encode_topk(u, r, 410, chunk=4096, values="sign", **kw),
            "ternary": lambda u, r, **kw: ops.encode_ternary(u, r, 0.5, chunk=4096, **kw)}[kind]
     update, residual = make_state(n, 0.05, dtype=dtype, seed=n)
     velocity = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 0.3

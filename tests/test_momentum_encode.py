@@ -12,7 +12,7 @@ from gradshare import _native
 from gradshare.message import NONFINITE
 from op_inputs import assert_bits_equal
 
-KINDS = ["strom", "strom_bitmap", "topk", "topk8", "ternary"]
+KINDS = ["strom", "strom_bitmap", "topk", "topk8", "topk_sign", "ternary"]
 M = 0.9
 
 
@@ -25,6 +25,8 @@ def _encode(kind, update, residual, **kw):
         return ops.encode_topk(update, residual, 40, chunk=1000, **kw)
     if kind == "topk8":
         return ops.encode_topk(update, residual, 40, chunk=1000, values="int8", **kw)
+    if kind == "topk_sign":
+        return ops.encode_topk(update, residual, 40, chunk=1000, values="sign", **kw)
     return ops.encode_ternary(update, residual, 0.5, chunk=1024, **kw)
 
 

@@ -179,9 +179,38 @@ void select_topk(const float* u, int64_t len, int64_t kc, TopkScratch& s, int32_
 
 namespace {
 
-// Writes the kc selected entries (ascending local indices in sel[0..kc)) of a chunk in `format`:
-// top-k words (bf16 value | index) in place of sel, or the 8-bit layout (scale, index pairs, int8 values).
-void pack_topk(int32_t format, const float* u, const int32_t* sel, int64_t kc, int32_t* w) {
+// Sets bits [off, off + nbits) of a zeroed bit stream to `value` (nbits in [0, 32]).
+inline void stream_put(int32_t* s, int64_t off, int nbits, uint32_t value) {
+  if (nbits <= 0) return;
+  const int64_t q = off >> 5;
+  const int b = static_cast<int>(off & 31);
+  s[q] = static_cast<int32_t>(static_cast<uint32_t>(s[q]) | (value << b));
+  if (b + nbits > 32) s[q + 1] = static_cast<int32_t>(static_cast<uint32_t>(s[q + 1]) | (value >> (32 - b)));
+}
+
+// Writes the kc selected entries (ascending local indices in sel[0..kc)) of a chunk of len elements in
+// `format`: top-k words (bf16 value | index) in place of sel, the 8-bit layout (scale, index pairs, int8
+// values), or the signs layout (scale, Elias-Fano indices, sign bits).
+void pack_topk(int32_t format, const float* u, const int32_t* sel, int64_t kc, int64_t len, int32_t* w) {
+  if (format == kTopKSign) {
+    float acc[kLanes] = {0.0f};  // element.h's order over the entries: lane i % 32 adds entry i
+    for (int64_t i = 0; i < kc; ++i) {
+      const float x = u[sel[i]];
+      acc[i % kLanes] += x < 0.0f ? -x : x;
+    }
+    w[0] = float_to_bits(kc ? lane_tree(acc) / static_cast<float>(kc) : 0.0f);
+    const int64_t bits = topks_chunk_bits(len, kc);
+    std::fill(w + 1, w + 1 + (bits + 31) / 32, 0);
+    const int l = ef_low_bits(len, kc);
+    const int64_t hs = kc * l, ss = hs + (kc ? ef_high_bits(len, kc, l) : 0);
+    for (int64_t i = 0; i < kc; ++i) {
+      const uint32_t p = static_cast<uint32_t>(sel[i]);
+      stream_put(w + 1, i * l, l, l ? (p & ((1u << l) - 1u)) : 0u);
+      stream_put(w + 1, hs + (p >> l) + i, 1, 1u);
+      stream_put(w + 1, ss + i, 1, u[sel[i]] < 0.0f ? 1u : 0u);
+    }
+    return;
+  }
   if (format == kTopK) {
     for (int64_t i = 0; i < kc; ++i) w[i] = topk_word(bf16_bits(u[sel[i]]), sel[i]);
     return;
@@ -199,8 +228,19 @@ void pack_topk(int32_t format, const float* u, const int32_t* sel, int64_t kc, i
   }
 }
 
-// kept[0, kc entries of chunk words w) -= the value each entry sent (exact in float32 for bf16 values).
-void subtract_topk(int32_t format, const int32_t* w, int64_t kc, float* kept) {
+// kept[0, kc entries of chunk words w) -= the value each entry sent (exact in float32 for bf16 values; the
+// signs layout's entries are read back from the message, since the selection is not at hand in phase 2).
+void subtract_topk(int32_t format, const int32_t* w, int64_t kc, int64_t len, float* kept) {
+  if (format == kTopKSign) {
+    const float s = bits_to_float(w[0]);
+    const int l = ef_low_bits(len, kc);
+    topks_walk(w + 1, len, kc, 0, kc ? (ef_high_bits(len, kc, l) + 31) / 32 : 0, 0,
+               [&](int64_t, int64_t pos, bool negative) {
+                 kept[pos] -= sign_entry(s, negative);
+                 return true;
+               });
+    return;
+  }
   if (format == kTopK) {
     for (int64_t i = 0; i < kc; ++i) {
       const uint32_t e = static_cast<uint32_t>(w[i]);
@@ -241,12 +281,12 @@ ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, const float* re
       bad[c] = load(update, dtype, mo, residual, lo, len, u.data());
       if (bad[c] >= 0) continue;
       if (kc > 0) select_topk(u.data(), len, kc, scratch, sel.data());
-      pack_topk(format, u.data(), sel.data(), kc, w);
+      pack_topk(format, u.data(), sel.data(), kc, len, w);
       if (mo.velocity)
         for (int64_t i = 0; i < kc; ++i) mo.out[lo + sel[i]] = 0.0f;  // momentum factor masking
       if (direct) {
         std::copy(u.data(), u.data() + len, kept + lo);
-        subtract_topk(format, w, kc, kept + lo);
+        subtract_topk(format, w, kc, len, kept + lo);
       }
     }
   }
@@ -261,7 +301,7 @@ ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, const float* re
     for (int64_t c = 0; c < nch; ++c) {
       const int64_t lo = c * chunk, len = chunk_len(n, chunk, c), kc = topk_k(k, len, chunk);
       add_input(update, dtype, mo, residual, kept, lo, len);
-      subtract_topk(format, payload + c * stride, kc, kept + lo);
+      subtract_topk(format, payload + c * stride, kc, len, kept + lo);
     }
   }
   write_header(out, format, n, chunk, 0.0f);

@@ -70,6 +70,22 @@ void dispatch(int32_t dtype, const Momentum& mo, F&& f) {
 
 __device__ __forceinline__ uint32_t mag_of(float u) { return static_cast<uint32_t>(float_to_bits(u)) & 0x7fffffffu; }
 
+__device__ __forceinline__ float warp_tree(float v) {
+  // Lane j < step adds lane j + step, for step = 16, 8, 4, 2, 1: lane 0 ends with element.h's lane_tree.
+  for (int step = 16; step >= 1; step /= 2) v += __shfl_down_sync(0xffffffffu, v, step);
+  return v;
+}
+
+// Sets bits [off, off + nbits) of a zeroed bit stream to `value` (nbits in [0, 32]); threads share words.
+__device__ __forceinline__ void stream_put(int32_t* s, int64_t off, int nbits, uint32_t value) {
+  if (nbits <= 0 || value == 0u) return;
+  unsigned int* u = reinterpret_cast<unsigned int*>(s);
+  const int64_t q = off >> 5;
+  const int b = static_cast<int>(off & 31);
+  atomicOr(u + q, value << b);
+  if (b + nbits > 32) atomicOr(u + q + 1, value >> (32 - b));
+}
+
 // ---------------------------------------------------------------------------------------------- top-k
 constexpr int kHistBins = 2048;
 constexpr int kSelectThreads = 512;  // threads per chunk in the select kernel
@@ -191,6 +207,29 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t i = threadIdx.x; i < kc; i += kThreads) w[i] = topk_word(bf16_bits(bits_to_float(p[2 * i + 1])), p[2 * i]);
     return;
   }
+  if (format == kTopKSign) {  // the scale by warp 0 in element.h's lane order; the stream's bits by atomicOr
+    const int64_t len = chunk_len(n, chunk, c);
+    const int l = ef_low_bits(len, kc);
+    const int64_t hs = kc * l, ss = hs + (kc ? ef_high_bits(len, kc, l) : 0);
+    for (int64_t t = threadIdx.x; t < (topks_chunk_bits(len, kc) + 31) / 32; t += kThreads) w[1 + t] = 0;
+    if (threadIdx.x < 32) {
+      float acc = 0.0f;
+      for (int64_t i = threadIdx.x; i < kc; i += 32) {
+        const float x = bits_to_float(p[2 * i + 1]);
+        acc += x < 0.0f ? -x : x;
+      }
+      const float total = warp_tree(acc);
+      if (threadIdx.x == 0) w[0] = float_to_bits(kc ? total / static_cast<float>(kc) : 0.0f);
+    }
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < kc; i += kThreads) {
+      const uint32_t pos = static_cast<uint32_t>(p[2 * i]);
+      stream_put(w + 1, i * l, l, l ? (pos & ((1u << l) - 1u)) : 0u);
+      stream_put(w + 1, hs + (pos >> l) + i, 1, 1u);
+      stream_put(w + 1, ss + i, 1, bits_to_float(p[2 * i + 1]) < 0.0f ? 1u : 0u);
+    }
+    return;
+  }
   float big = 0.0f;
   for (int64_t i = threadIdx.x; i < kc; i += kThreads) big = fmaxf(big, fabsf(bits_to_float(p[2 * i + 1])));
   big = Reduce(tmp).Reduce(big, [](float a, float b) { return fmaxf(a, b); });
@@ -228,14 +267,23 @@ __global__ void __launch_bounds__(kThreads)
 // One block per chunk, a thread per entry (a chunk's entries are distinct elements): kept gives up what was
 // sent, and a fused momentum's new velocity (velocity_out, or null) is zeroed there.
 __global__ void __launch_bounds__(kThreads)
-    topk_subtract_kernel(float* kept, float* velocity_out, const int32_t* payload, int64_t n, int64_t chunk,
-                         int64_t k, int32_t format, const Flags* flags) {
+    topk_subtract_kernel(float* kept, float* velocity_out, const int32_t* payload, const int32_t* pairs, int64_t n,
+                         int64_t chunk, int64_t k, int32_t format, const Flags* flags) {
   if (flagged(flags)) return;
   const int64_t c = blockIdx.x;
   const int64_t kc = topk_k(k, chunk_len(n, chunk, c), chunk);
   const int32_t* w = payload + c * chunk_stride(format, chunk, k);
   float* r = kept + c * chunk;
   float* v = velocity_out ? velocity_out + c * chunk : nullptr;
+  if (format == kTopKSign) {  // the entries from the selection, in the message's order
+    const int32_t* p = pairs + 2 * c * k;
+    const float s = bits_to_float(w[0]);
+    for (int64_t i = threadIdx.x; i < kc; i += kThreads) {
+      r[p[2 * i]] -= sign_entry(s, bits_to_float(p[2 * i + 1]) < 0.0f);
+      if (v) v[p[2 * i]] = 0.0f;
+    }
+    return;
+  }
   if (format == kTopK) {
     for (int64_t i = threadIdx.x; i < kc; i += kThreads) {
       const uint32_t e = static_cast<uint32_t>(w[i]);
@@ -261,12 +309,6 @@ constexpr int kTernaryWarps = kTernaryThreads / 32;
 constexpr int kRowsPerWarp = 16;  // rows of 32 elements each warp loads per tile
 static_assert(kRowsPerWarp % 16 == 0, "code words are written 32 (16 rows) at a time");
 constexpr int kTileRows = kTernaryWarps * kRowsPerWarp;  // 256 rows = 8192 elements (32 KiB) per tile
-
-__device__ __forceinline__ float warp_tree(float v) {
-  // Lane j < step adds lane j + step, for step = 16, 8, 4, 2, 1: lane 0 ends with element.h's lane_tree.
-  for (int step = 16; step >= 1; step /= 2) v += __shfl_down_sync(0xffffffffu, v, step);
-  return v;
-}
 
 template <int DT, bool MOM>
 __global__ void __launch_bounds__(kTernaryThreads)
@@ -446,8 +488,8 @@ ChunkedResult encode_topk_cuda(const void* update, int32_t dtype, const float* r
                                                                                     flags);
       cuda::check_launch("add_update_kernel");
     });
-    topk_subtract_kernel<<<chunks, kThreads, 0, s>>>(kept, mo.velocity ? mo.out : nullptr, out + kHeaderWords, n,
-                                                      chunk, k, format, flags);
+    topk_subtract_kernel<<<chunks, kThreads, 0, s>>>(kept, mo.velocity ? mo.out : nullptr, out + kHeaderWords,
+                                                      pairs, n, chunk, k, format, flags);
     cuda::check_launch("topk_subtract_kernel");
   }
   launch_header(out, words, format, n, chunk, k, false, flags, s);

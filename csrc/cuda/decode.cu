@@ -6,6 +6,7 @@
 //      per sparse entry or bitmap word; first bad word by atomicMin, bitmap entries summed), one sync;
 //   3. the messages are applied in order on the stream: dst[i] += / -= tau * scale.
 #include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
 #include <string>
 #include <vector>
 
@@ -128,6 +129,38 @@ __global__ void __launch_bounds__(kThreads)
   const int32_t* w = p + c * topk8_chunk_words(k);
   const int64_t local = topk8_index(w, i);
   if (local < len) dst[c * chunk + local] += topk8_entry(topk8_value(w, kc, i), bits_to_float(w[0])) * scale;
+}
+
+// What a top-k signs entry adds, bounds-checked like every apply kernel.
+struct AddSign {
+  float* d;
+  float s, scale;
+  int64_t len;
+  __device__ bool operator()(int64_t, int64_t p, bool negative) const {
+    if (p >= 0 && p < len) d[p] += sign_entry(s, negative) * scale;
+    return true;
+  }
+};
+
+// One block per chunk: each thread takes a run of the high bits' 32-bit windows, a block scan of their set bits
+// gives the index of its first entry, and it walks its run (message.h's topks_walk).
+__global__ void __launch_bounds__(kThreads)
+    apply_topks_kernel(float* dst, const int32_t* p, int64_t n, int64_t chunk, int64_t k, float scale) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  const int64_t c = blockIdx.x, len = chunk_len(n, chunk, c), kc = topk_k(k, len, chunk);
+  if (kc == 0) return;  // the same for the whole block
+  const int32_t* w = p + c * topks_chunk_words(chunk, k);
+  const int l = ef_low_bits(len, kc);
+  const int64_t hs = kc * l, hbits = ef_high_bits(len, kc, l), windows = (hbits + 31) / 32;
+  const int64_t per = (windows + kThreads - 1) / kThreads;
+  const int64_t q0 = min(windows, int64_t(threadIdx.x) * per), q1 = min(windows, q0 + per);
+  int cnt = 0;
+  for (int64_t q = q0; q < q1; ++q)
+    cnt += popcount32(stream_bits(w + 1, hs + q * 32, hbits - q * 32 < 32 ? static_cast<int>(hbits - q * 32) : 32));
+  int before = 0;
+  Scan(tmp).ExclusiveSum(cnt, before);
+  topks_walk(w + 1, len, kc, q0, q1, before, AddSign{dst + c * chunk, bits_to_float(w[0]), scale, len});
 }
 
 // One thread per element.
@@ -270,6 +303,14 @@ void decode_cuda(float* dst, int64_t n, const int32_t* msgs, int64_t num_msgs, i
       apply_topk8_kernel<<<cuda::blocks_for(slots, kThreads), kThreads, 0, s>>>(dst, payload(m), n, head(m)[3],
                                                                                 head(m)[4], scale);
       cuda::check_launch("apply_topk8_kernel");
+      continue;
+    }
+    if (head(m)[1] == kTopKSign) {
+      const int64_t nch = (n + head(m)[3] - 1) / head(m)[3];
+      if (nch == 0 || head(m)[4] == 0) continue;
+      apply_topks_kernel<<<static_cast<unsigned int>(nch), kThreads, 0, s>>>(dst, payload(m), n, head(m)[3],
+                                                                             head(m)[4], scale);
+      cuda::check_launch("apply_topks_kernel");
       continue;
     }
     if (head(m)[1] == kTernary) {

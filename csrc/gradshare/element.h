@@ -106,6 +106,11 @@ GS_HD int topk8_quantize(float u, float scale) {
 }
 GS_HD float topk8_entry(int q, float scale) { return static_cast<float>(q) * scale; }
 
+// Top-k signs: the chunk's scale is the mean |u| of its selected entries (summed in the lane order below over
+// the entries in ascending index: lane i % 32 adds entry i), and an entry adds +-scale (message.h's sign_entry).
+// An entry selected with u == 0 (a chunk with fewer non-zero elements than k_c) is sent as +scale; the residual
+// takes the difference back.
+
 // Ternary: an element is sent when |u| >= th and u != 0 (th = fraction * mean |u| of its chunk).
 GS_HD bool ternary_sent(float u, float th) {
   const float a = u < 0.0f ? -u : u;

@@ -72,7 +72,8 @@ EncodeResult encode_cpu(const void* update, int32_t dtype, const float* residual
 void decode_cpu(float* dst, int64_t n, const int32_t* msgs, int64_t num_msgs, int64_t row_words, float scale);
 // Top-k (format 3) and ternary (format 4) encodes of residual + update, what is kept into `kept` (see
 // csrc/cpu/chunked.cpp). `capacity` must hold topk_words / ternary_words.
-// `format`: kTopK (bfloat16 values) or kTopK8 (8-bit values and a scale per chunk).
+// `format`: kTopK (bfloat16 values), kTopK8 (8-bit values and a scale per chunk) or kTopKSign (signs and a
+// scale per chunk, Elias-Fano coded indices).
 ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n,
                               int64_t chunk, int64_t k, int32_t format, int32_t* out, int64_t capacity,
                               const Momentum& mo = {});
@@ -154,8 +155,9 @@ inline void check_momentum(const Momentum& mo) {
 // Arguments of the top-k / ternary encoders (CPU and CUDA); returns the message length in words.
 inline int64_t check_chunked_args(int32_t format, int32_t dtype, int64_t n, int64_t chunk, int64_t k, float fraction,
                                   int64_t capacity) {
-  const bool topk = format == kTopK || format == kTopK8;
-  if (!topk && format != kTernary) throw std::invalid_argument("format must be top-k, 8-bit top-k or ternary");
+  const bool topk = is_topk(format);
+  if (!topk && format != kTernary)
+    throw std::invalid_argument("format must be top-k, 8-bit top-k, top-k signs or ternary");
   if (dtype != kFloat32 && dtype != kFloat16 && dtype != kBFloat16)
     throw std::invalid_argument("update: dtype must be float32, float16 or bfloat16");
   if (n < 0 || n > kMaxElements)
@@ -169,8 +171,10 @@ inline int64_t check_chunked_args(int32_t format, int32_t dtype, int64_t n, int6
       throw std::invalid_argument("chunk: must be a multiple of 16 (and at most 2^30) for ternary");
     if (!(fraction >= 0.0f) || !is_finite(fraction)) throw std::invalid_argument("fraction must be finite and >= 0");
   }
-  const int64_t words = format == kTopK ? topk_words(n, chunk, k)
-                                         : (format == kTopK8 ? topk8_words(n, chunk, k) : ternary_words(n, chunk));
+  const int64_t words = format == kTopK    ? topk_words(n, chunk, k)
+                        : format == kTopK8   ? topk8_words(n, chunk, k)
+                        : format == kTopKSign ? topks_words(n, chunk, k)
+                                              : ternary_words(n, chunk);
   if (capacity < words)
     throw std::invalid_argument("out: message needs " + std::to_string(words) + " words, capacity is " +
                                 std::to_string(capacity));

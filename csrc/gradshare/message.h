@@ -24,6 +24,13 @@
 //               finite, >= 0), ceil(k_c/2) words of 16-bit local indices (ascending, the first in the
 //               low half), ceil(k_c/4) words of int8 values q in [-127, 127] (the first in the low
 //               byte); an entry adds q * s. Unused halves and bytes are zero.
+//   top-k signs (7) word 3 = chunk (1..65536), word 4 = k; per chunk one word (float32 bits of its scale s,
+//               finite, >= 0), then, when k_c > 0, a bit stream (bit b in word b / 32 at bit b % 32) of
+//               ceil(bits / 32) words: the k_c local indices p_0 < p_1 < ... Elias-Fano coded with
+//               l = floor(log2(len_c / k_c)) low bits (entry i's low bits at bits [i*l, i*l + l)), then
+//               k_c + ((len_c - 1) >> l) high bits (bit (p_i >> l) + i set for each entry, no other), then
+//               k_c sign bits (set: the entry adds -s, else +s); bits past the stream are zero. About
+//               3 + log2(len_c / k_c) bits an entry where a 16-bit index and an 8-bit value take 24.
 // A rank whose update is not finite sends a marker of the same length (header, then zeros).
 //
 // A message may sit in a longer row (padded all-gather): the header says how many words are used.
@@ -45,7 +52,7 @@ constexpr int64_t kMaxElements = 2147483647;  // indices are signed 1-based int3
 
 // kFailed: a rank whose encoder raised (written and read in Python only; the decoder rejects it like any
 // format it does not decode).
-enum Format : int32_t { kSparse = 0, kBitmap = 1, kNonFinite = 2, kTopK = 3, kTernary = 4, kTopK8 = 5, kFailed = 6 };
+enum Format : int32_t { kSparse = 0, kBitmap = 1, kNonFinite = 2, kTopK = 3, kTernary = 4, kTopK8 = 5, kFailed = 6, kTopKSign = 7 };
 constexpr int64_t kMaxTopKChunk = 65536;  // local indices are 16 bits
 constexpr int64_t kMaxTernaryChunk = int64_t(1) << 30;
 // What the caller asks the encoder for; kAuto picks the smaller payload.
@@ -85,10 +92,33 @@ GS_HD int64_t topk8_words(int64_t n, int64_t chunk, int64_t k) {
   const int64_t full = n / chunk, rest = n % chunk;
   return kHeaderWords + full * topk8_chunk_words(k) + (rest ? topk8_chunk_words(topk_k(k, rest, chunk)) : 0);
 }
-GS_HD bool is_chunked(int32_t format) { return format == kTopK || format == kTernary || format == kTopK8; }
+// Top-k signs: the Elias-Fano split of a chunk with kc > 0 entries among len elements, and its sizes.
+GS_HD int ef_low_bits(int64_t len, int64_t kc) {
+  int l = 0;
+  if (kc > 0)
+    while ((kc << (l + 1)) <= len) ++l;
+  return l;
+}
+GS_HD int64_t ef_high_bits(int64_t len, int64_t kc, int l) { return kc + ((len - 1) >> l); }
+GS_HD int64_t topks_chunk_bits(int64_t len, int64_t kc) {
+  if (kc <= 0) return 0;
+  const int l = ef_low_bits(len, kc);
+  return kc * l + ef_high_bits(len, kc, l) + kc;
+}
+GS_HD int64_t topks_chunk_words(int64_t len, int64_t kc) { return 1 + (topks_chunk_bits(len, kc) + 31) / 32; }
+GS_HD int64_t topks_words(int64_t n, int64_t chunk, int64_t k) {
+  const int64_t full = n / chunk, rest = n % chunk;
+  return kHeaderWords + full * topks_chunk_words(chunk, k) +
+         (rest ? topks_chunk_words(rest, topk_k(k, rest, chunk)) : 0);
+}
+GS_HD bool is_topk(int32_t format) { return format == kTopK || format == kTopK8 || format == kTopKSign; }
+GS_HD bool is_chunked(int32_t format) { return is_topk(format) || format == kTernary; }
 // Words of full chunk c's part of a chunked payload start at c * this (every earlier chunk is full).
 GS_HD int64_t chunk_stride(int32_t format, int64_t chunk, int64_t k) {
-  return format == kTopK ? k : (format == kTopK8 ? topk8_chunk_words(k) : ternary_chunk_words(chunk));
+  return format == kTopK ? k
+                         : (format == kTopK8 ? topk8_chunk_words(k)
+                                             : (format == kTopKSign ? topks_chunk_words(chunk, k)
+                                                                    : ternary_chunk_words(chunk)));
 }
 GS_HD int64_t ternary_words(int64_t n, int64_t chunk) {
   const int64_t full = n / chunk, rest = n % chunk;
@@ -132,10 +162,11 @@ inline const char* check_chunked_header(const int32_t* h, int64_t row_words, int
   if (h[2] < 0 || (int64_t)h[2] != n) return "message length n does not match the destination buffer";
   const int64_t chunk = h[3], k = h[4];
   int64_t words;
-  if (h[1] == kTopK || h[1] == kTopK8) {
+  if (is_topk(h[1])) {
     if (chunk < 1 || chunk > kMaxTopKChunk || k < 0 || k > chunk)
       return "top-k message: chunk must be in [1, 65536] and k in [0, chunk]";
-    words = h[1] == kTopK ? topk_words(n, chunk, k) : topk8_words(n, chunk, k);
+    words = h[1] == kTopK ? topk_words(n, chunk, k)
+                          : (h[1] == kTopK8 ? topk8_words(n, chunk, k) : topks_words(n, chunk, k));
   } else {
     if (chunk < 16 || chunk > kMaxTernaryChunk || chunk % 16 != 0 || k < 0 || k > n)
       return "ternary message: chunk must be a multiple of 16 and the entry count in [0, n]";
@@ -189,6 +220,64 @@ GS_HD int topk8_value(const int32_t* w, int64_t kc, int64_t i) {
   return static_cast<int8_t>((static_cast<uint32_t>(w[1 + (kc + 1) / 2 + i / 4]) >> (8 * (i % 4))) & 0xffu);
 }
 
+// Bits [off, off + nbits) of a bit stream (nbits in [0, 32]; bit b in word b / 32 at bit b % 32).
+GS_HD uint32_t stream_bits(const int32_t* s, int64_t off, int nbits) {
+  if (nbits <= 0) return 0u;
+  const int64_t q = off >> 5;
+  const int b = static_cast<int>(off & 31);
+  uint32_t x = static_cast<uint32_t>(s[q]) >> b;
+  if (b + nbits > 32) x |= static_cast<uint32_t>(s[q + 1]) << (32 - b);
+  return nbits == 32 ? x : x & ((1u << nbits) - 1u);
+}
+GS_HD int lowest_bit(uint32_t x);
+GS_HD int popcount32(uint32_t x);
+// A top-k signs entry: +s, or -s when its sign bit is set.
+GS_HD float sign_entry(float s, bool negative) { return negative ? -s : s; }
+
+// Walks a top-k signs chunk's high bits from window `q0` (32 bits each) to `q1`, entry `i` being the first
+// set bit met: f(i, local index, negative) for each entry, in ascending order; stops at the first f that
+// returns false (and returns false). The GPU decoder runs it on each thread's windows after a scan of their counts.
+template <typename F>
+GS_HD bool topks_walk(const int32_t* stream, int64_t len, int64_t kc, int64_t q0, int64_t q1, int64_t i, F&& f) {
+  const int l = ef_low_bits(len, kc);
+  const int64_t hs = kc * l, hbits = ef_high_bits(len, kc, l), ss = hs + hbits;
+  for (int64_t q = q0; q < q1; ++q) {
+    const int64_t b = q * 32;
+    uint32_t x = stream_bits(stream, hs + b, hbits - b < 32 ? static_cast<int>(hbits - b) : 32);
+    while (x) {
+      const int t = lowest_bit(x);
+      x &= x - 1;
+      const bool ok = i < kc;  // an entry past k_c is reported, never read
+      const int64_t p = ok ? (((b + t - i) << l) | stream_bits(stream, i * l, l)) : len;
+      if (!f(i, p, ok && (stream_bits(stream, ss + i, 1) != 0))) return false;
+      ++i;
+    }
+  }
+  return true;
+}
+
+struct TopksCheck {  // validation state of one chunk: the entries so far and the last local index
+  int64_t len, kc, count = 0, prev = -1;
+  GS_HD bool operator()(int64_t i, int64_t p, bool) {
+    if (i >= kc || p >= len || p <= prev) return false;
+    prev = p;
+    ++count;
+    return true;
+  }
+};
+
+// A top-k signs chunk's stream: exactly k_c entries, local indices below len_c and strictly ascending, zero
+// bits past its end. 0 when sound, else 1.
+GS_HD int topks_stream_why(const int32_t* w, int64_t kc, int64_t len) {
+  if (kc <= 0) return 0;
+  const int l = ef_low_bits(len, kc);
+  TopksCheck check{len, kc};
+  if (!topks_walk(w + 1, len, kc, 0, (ef_high_bits(len, kc, l) + 31) / 32, 0, check) || check.count != kc) return 1;
+  const int64_t bits = topks_chunk_bits(len, kc);
+  if ((bits & 31) && (static_cast<uint32_t>(w[1 + bits / 32]) >> (bits & 31)) != 0) return 1;
+  return 0;
+}
+
 // A chunk's validation runs over items, in this order: the scale (8-bit top-k, ternary), then each entry
 // (top-k) or code word (ternary), then the padding (8-bit top-k). Items are independent of one another (an
 // entry is compared with the one before it as written), so the first failing item is the same whether they
@@ -196,6 +285,7 @@ GS_HD int topk8_value(const int32_t* w, int64_t kc, int64_t i) {
 GS_HD int64_t chunk_items(int32_t format, int64_t k, int64_t len, int64_t chunk) {
   if (format == kTopK) return topk_k(k, len, chunk);
   if (format == kTopK8) return topk_k(k, len, chunk) + 2;
+  if (format == kTopKSign) return 2;  // the scale, then the stream (one walk: entries depend on those before)
   return 1 + (len + 15) / 16;
 }
 
@@ -236,6 +326,7 @@ GS_HD int check_chunk_item(const int32_t* w, int32_t format, int64_t k, int64_t 
     if (item == 0) return scale_why(w, 127.0f, scale);
     return item <= kc ? topk8_entry_why(w, kc, i, i ? topk8_index(w, i - 1) : -1, len) : topk8_padding_why(w, kc);
   }
+  if (format == kTopKSign) return item == 0 ? scale_why(w, 1.0f, scale) : topks_stream_why(w, topk_k(k, len, chunk), len);
   return item == 0 ? scale_why(w, 1.0f, scale) : ternary_word_why(w, item - 1, len);
 }
 
@@ -256,6 +347,10 @@ GS_HD int check_chunk(const int32_t* w, int32_t format, int64_t k, int64_t len, 
     for (int64_t i = 0, prev = -1; i < kc; prev = topk8_index(w, i), ++i)
       if ((why = topk8_entry_why(w, kc, i, prev, len))) return why;
     return topk8_padding_why(w, kc);
+  }
+  if (format == kTopKSign) {
+    if ((why = scale_why(w, 1.0f, scale))) return why;
+    return topks_stream_why(w, topk_k(k, len, chunk), len);
   }
   if ((why = scale_why(w, 1.0f, scale))) return why;
   for (int64_t q = 0; q < (len + 15) / 16; ++q) {
@@ -293,6 +388,18 @@ GS_HD int popcount16(uint32_t x) {
   return __builtin_popcount(x & 0xffffu);
 #else
   x &= 0xffffu;
+  int c = 0;
+  for (; x; x &= x - 1) ++c;
+  return c;
+#endif
+}
+
+GS_HD int popcount32(uint32_t x) {
+#if defined(__CUDA_ARCH__)
+  return __popc(x);
+#elif defined(__GNUC__) || defined(__clang__)
+  return __builtin_popcount(x);
+#else
   int c = 0;
   for (; x; x &= x - 1) ++c;
   return c;

@@ -53,7 +53,7 @@ from gradshare.process_group import chain
 from gradshare._deprecation import RenamedAttribute, renamed_kwargs
 from gradshare.costmodel import allgather_bytes, fixed_allgather_bytes, ring_allreduce_bytes
 from gradshare.message import (BITMAP, FAILED, FORMAT_NAMES, HEADER_WORDS, LENGTHS_WORDS, NONFINITE, SPARSE,
-                               TERNARY, TOPK, TOPK8)
+                               TERNARY, TOPK_FORMATS)
 from gradshare.ops import NonFiniteError
 
 FALLBACKS = ("auto", "never", "always")
@@ -351,7 +351,7 @@ class _Exchange:
 
 def _entries(head: List[int], n: int) -> int:
     """Entries a fixed-length message carries, from its header."""
-    if head[1] in (TOPK, TOPK8):
+    if head[1] in TOPK_FORMATS:
         return msgfmt.topk_entries(n, head[3], head[4])
     if head[1] == TERNARY:
         return head[4]

@@ -28,6 +28,13 @@ is as long as every other's, so one all-gather moves them with no lengths round 
                       the first in the low half, ascending), ceil(k_c/4) words of int8 values q in
                       [-127, 127] (four per word, the first in the low byte); an entry is q * s. Unused halves
                       and bytes are zero. 3 bytes an entry instead of 4.
+    top-k signs (format 7)  word 3 = chunk (1..65536), word 4 = k; per chunk: 1 word (float32 bits of its
+                      scale s, finite, >= 0), then for k_c > 0 a bit stream (bit b in word b // 32 at bit b % 32)
+                      of ceil(bits / 32) words: the local indices p_0 < p_1 < ... Elias-Fano coded with
+                      l = floor(log2(len_c / k_c)) low bits (entry i's at bits [i*l, i*l + l)), then
+                      k_c + ((len_c - 1) >> l) high bits (bit (p_i >> l) + i set per entry), then k_c sign bits
+                      (set: the entry adds -s, else +s); bits past the stream are zero. About 3 + log2(len_c / k_c)
+                      bits an entry (6.3 at 10%) where 8-bit top-k takes 24.
 
 A rank whose update was not finite sends a non-finite marker of the same length (zero payload); a rank
 that could not encode at all (an exception in its encoder) sends a failed marker (format 6) likewise, so
@@ -44,10 +51,11 @@ MAGIC_VERSION = 0x47530001
 HEADER_WORDS = 5
 LENGTHS_WORDS = 4       # int64 per rank in the lengths all-gather before a varying-length payload: words, format, n, count
 MAX_ELEMENTS = 2**31 - 1
-SPARSE, BITMAP, NONFINITE, TOPK, TERNARY, TOPK8, FAILED = 0, 1, 2, 3, 4, 5, 6
+SPARSE, BITMAP, NONFINITE, TOPK, TERNARY, TOPK8, FAILED, TOPKSIGN = 0, 1, 2, 3, 4, 5, 6, 7
 FORMAT_NAMES = {SPARSE: "sparse", BITMAP: "bitmap", NONFINITE: "nonfinite", TOPK: "topk", TERNARY: "ternary",
-                TOPK8: "topk8", FAILED: "failed"}
-CHUNKED = (TOPK, TERNARY, TOPK8)
+                TOPK8: "topk8", FAILED: "failed", TOPKSIGN: "topk_sign"}
+TOPK_FORMATS = (TOPK, TOPK8, TOPKSIGN)
+CHUNKED = (TOPK, TERNARY, TOPK8, TOPKSIGN)
 MAX_TOPK_CHUNK = 65536          # local indices are 16 bits
 # What encode() may be asked for; "auto" picks the smaller payload.
 FORMAT_CHOICES = {"auto": -1, "sparse": SPARSE, "bitmap": BITMAP}
@@ -86,12 +94,41 @@ def topk8_words(n: int, chunk: int, k: int) -> int:
     return HEADER_WORDS + full * topk8_chunk_words(k) + last
 
 
+def ef_low_bits(ln: int, kc: int) -> int:
+    """Top-k signs: the low bits of each Elias-Fano coded index, floor(log2(ln / kc)) (0 when kc is 0)."""
+    l = 0
+    if kc > 0:
+        while (kc << (l + 1)) <= ln:
+            l += 1
+    return l
+
+
+def topks_chunk_bits(ln: int, kc: int) -> int:
+    """Bits of a top-k signs chunk's stream: low bits, high bits, sign bits."""
+    if kc <= 0:
+        return 0
+    l = ef_low_bits(ln, kc)
+    return kc * l + kc + ((ln - 1) >> l) + kc
+
+
+def topks_chunk_words(ln: int, kc: int) -> int:
+    return 1 + (topks_chunk_bits(ln, kc) + 31) // 32
+
+
+def topks_words(n: int, chunk: int, k: int) -> int:
+    full, rest = n // chunk, n % chunk  # not divmod: the fake kernels pass SymInts under torch.compile
+    last = topks_chunk_words(rest, (k * rest + chunk - 1) // chunk) if rest else 0
+    return HEADER_WORDS + full * topks_chunk_words(chunk, k) + last
+
+
 def chunked_words(fmt: int, n: int, chunk: int, k: int) -> int:
-    """Length of a top-k, 8-bit top-k or ternary message (k is ignored for ternary)."""
+    """Length of a top-k, 8-bit top-k, top-k signs or ternary message (k is ignored for ternary)."""
     if fmt == TOPK:
         return topk_words(n, chunk, k)
     if fmt == TOPK8:
         return topk8_words(n, chunk, k)
+    if fmt == TOPKSIGN:
+        return topks_words(n, chunk, k)
     return ternary_words(n, chunk)
 
 

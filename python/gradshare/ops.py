@@ -178,26 +178,28 @@ def _(update, residual, tau, clip, choice):
     return update.new_empty(ctx.new_dynamic_size(), dtype=torch.int32)
 
 
+TOPK_VALUES = {"bf16": msgfmt.TOPK, "int8": msgfmt.TOPK8, "sign": msgfmt.TOPKSIGN}   # encode_topk's values=
+
+
 def _encode_topk_into(update: torch.Tensor, residual: torch.Tensor, kept: torch.Tensor, k: int, chunk: int,
-                      int8: bool, velocity=None) -> torch.Tensor:
-    fmt = msgfmt.TOPK8 if int8 else msgfmt.TOPK
+                      fmt: int, velocity=None) -> torch.Tensor:
     out = torch.empty(msgfmt.chunked_words(fmt, update.numel(), chunk, k), dtype=torch.int32, device=update.device)
     _native.encode_chunked(fmt, update, residual, kept, chunk, k, out, velocity)
     return out
 
 
-def _encode_topk_impl(update: torch.Tensor, residual: torch.Tensor, k: int, chunk: int, int8: bool) -> torch.Tensor:
+def _encode_topk_impl(update: torch.Tensor, residual: torch.Tensor, k: int, chunk: int, fmt: int) -> torch.Tensor:
     if not _native.available():
-        return reference.encode_topk(update.view(-1), residual.view(-1), k, chunk, "int8" if int8 else "bf16")
-    return _encode_topk_into(update, residual, residual, k, chunk, int8)
+        values = {v: name for name, v in TOPK_VALUES.items()}[fmt]
+        return reference.encode_topk(update.view(-1), residual.view(-1), k, chunk, values)
+    return _encode_topk_into(update, residual, residual, k, chunk, fmt)
 
 
 _encode_topk_op = torch.library.custom_op("gradshare::encode_topk", _encode_topk_impl, mutates_args=("residual",))
 
 
 @_encode_topk_op.register_fake
-def _(update, residual, k, chunk, int8):
-    fmt = msgfmt.TOPK8 if int8 else msgfmt.TOPK
+def _(update, residual, k, chunk, fmt):
     return update.new_empty(msgfmt.chunked_words(fmt, update.numel(), chunk, k), dtype=torch.int32)
 
 
@@ -484,8 +486,10 @@ def encode_topk(update: ArrayLike, residual: ArrayLike, k: int, *, chunk: int = 
     In every chunk of ``chunk`` elements, the ``k`` entries with the largest |u| (u = residual + update; ties
     go to the lower index; a shorter last chunk sends ceil(k * len / chunk)) are sent with their values, and
     the residual keeps u minus the value sent: the rounding error too stays in it. ``values``: "bf16" (each
-    value rounded to bfloat16; 4 bytes an entry, format 3) or "int8" (one float scale per chunk, the largest
-    |value| / 127, and each value as a rounded multiple of it; 3 bytes an entry, format 5).
+    value rounded to bfloat16; 4 bytes an entry, format 3), "int8" (one float scale per chunk, the largest
+    |value| / 127, and each value as a rounded multiple of it; 3 bytes an entry, format 5) or "sign" (one float
+    scale per chunk, the mean |value| of its entries, each entry sent as +-scale, its index Elias-Fano coded:
+    about 3 + log2(chunk / k) bits an entry, format 7).
     The message length depends only on (n, chunk, k), so every rank's message has the same size.
     Non-finite u: a non-finite marker of the same length is returned and the residual is left unchanged.
     ``velocity``, ``momentum``, ``velocity_out``: a fused momentum, as for :func:`encode` (an element is sent
@@ -495,12 +499,12 @@ def encode_topk(update: ArrayLike, residual: ArrayLike, k: int, *, chunk: int = 
     chunk = _check_chunk(chunk, 1, msgfmt.MAX_TOPK_CHUNK)
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= int(k) <= chunk:
         raise ValueError(f"k: must be an int in [0, chunk={chunk}], got {k!r}")
-    if values not in ("bf16", "int8"):
-        raise ValueError(f"values: expected 'bf16' or 'int8', got {values!r}")
+    if values not in TOPK_VALUES:
+        raise ValueError(f"values: expected 'bf16', 'int8' or 'sign', got {values!r}")
     kept = _check_kept(kept, update, residual)
     vel = _check_velocity(velocity, momentum, velocity_out, update, residual, kept)
     return _run_encode(_encode_topk_op, _encode_topk_impl, _encode_topk_into, update.view(-1), residual.view(-1),
-                       None if kept is None else kept.view(-1), int(k), chunk, values == "int8", velocity=vel)
+                       None if kept is None else kept.view(-1), int(k), chunk, TOPK_VALUES[values], velocity=vel)
 
 
 def encode_ternary(update: ArrayLike, residual: ArrayLike, fraction: float = 0.5, *,

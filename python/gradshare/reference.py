@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from gradshare import message as msgfmt
-from gradshare.message import BITMAP, HEADER_WORDS, NONFINITE, SPARSE, TERNARY, TOPK, TOPK8
+from gradshare.message import BITMAP, HEADER_WORDS, NONFINITE, SPARSE, TERNARY, TOPK, TOPK8, TOPK_FORMATS, TOPKSIGN
 
 BF16_MAX_BITS = 0x7F7F          # largest finite bfloat16
 LANES = 32                      # a ternary chunk sum: 32 strided partial sums, then a fixed pairwise tree
@@ -123,11 +123,56 @@ def topk8_quantize(vals: torch.Tensor):
     return scale, q.long().float()     # an integer, as the kernels hold it: no -0.0
 
 
+def _topks_stream(idx: torch.Tensor, neg: torch.Tensor, ln: int, kc: int) -> torch.Tensor:
+    """Rows of ascending local indices and their signs -> rows of a top-k signs chunk's stream words (int64
+    holding int32 values): Elias-Fano low bits, high bits, sign bits, bit b in word b // 32 at bit b % 32."""
+    r = idx.shape[0]
+    if kc == 0:
+        return torch.zeros(r, 0, dtype=torch.int64)
+    l = msgfmt.ef_low_bits(ln, kc)
+    words = (msgfmt.topks_chunk_bits(ln, kc) + 31) // 32
+    bits = np.zeros((r, words * 32), dtype=np.uint8)
+    p, i, rows = idx.cpu().numpy(), np.arange(kc), np.arange(r).reshape(-1, 1)
+    for j in range(l):
+        bits[:, i * l + j] = (p >> j) & 1
+    bits[rows, kc * l + (p >> l) + i] = 1
+    bits[:, kc * l + kc + ((ln - 1) >> l) + i] = neg.cpu().numpy()
+    w = np.packbits(bits, axis=1, bitorder="little").view("<u4").astype(np.int64)
+    return torch.from_numpy(np.where(w >= 2**31, w - 2**32, w))
+
+
+def _topks_fields(p: torch.Tensor, ln: int, kc: int):
+    """Rows of top-k signs chunks (words as non-negative int64) -> (scales, local indices, negative flags);
+    raises ValueError when a stream does not hold exactly kc strictly ascending indices below ln with zero
+    bits past its end."""
+    p = p.cpu()
+    sc = torch.where(p[:, 0] >= 2**31, p[:, 0] - 2**32, p[:, 0]).to(torch.int32).view(torch.float32)
+    r = p.shape[0]
+    if kc == 0:
+        return sc, torch.zeros(r, 0, dtype=torch.int64), torch.zeros(r, 0, dtype=torch.bool)
+    l = msgfmt.ef_low_bits(ln, kc)
+    nbits = msgfmt.topks_chunk_bits(ln, kc)
+    w = np.ascontiguousarray(p[:, 1:1 + (nbits + 31) // 32].numpy().astype("<u4"))
+    bits = np.unpackbits(w.view(np.uint8), axis=1, bitorder="little").astype(np.int64)
+    hs, hb = kc * l, kc + ((ln - 1) >> l)
+    high = bits[:, hs:hs + hb]
+    if (high.sum(axis=1) != kc).any() or bits[:, nbits:].any():
+        raise ValueError("top-k signs chunk: its stream does not hold k_c entries, or has bits past its end")
+    h = np.nonzero(high)[1].reshape(r, kc) - np.arange(kc)
+    low = (bits[:, :hs].reshape(r, kc, l) << np.arange(l)).sum(axis=2) if l else np.zeros((r, kc), dtype=np.int64)
+    local = (h << l) | low
+    if (local >= ln).any() or (np.diff(local, axis=1) <= 0).any():
+        raise ValueError("top-k signs entry index out of its chunk or not strictly ascending")
+    neg = bits[:, hs + hb:hs + hb + kc].astype(bool)
+    return sc, torch.from_numpy(local), torch.from_numpy(neg)
+
+
 def encode_topk(update: torch.Tensor, residual: torch.Tensor, k: int, chunk: int, values: str = "bf16") -> torch.Tensor:
     """Top-k encode: in every chunk the k_c entries of u = residual + update with the largest |u| (ties: the
-    lower index) are sent with their values (bfloat16, or int8 times a scale per chunk with ``values="int8"``);
-    the residual keeps u minus what was sent."""
-    fmt = TOPK if values == "bf16" else TOPK8
+    lower index) are sent with their values (bfloat16; int8 times a scale per chunk with ``values="int8"``;
+    +-scale, the mean |u| of the chunk's entries in the kernels' lane order, with ``values="sign"``); the
+    residual keeps u minus what was sent."""
+    fmt = {"bf16": TOPK, "int8": TOPK8, "sign": TOPKSIGN}[values]
     n = update.numel()
     u = residual + update.float()
     words = msgfmt.chunked_words(fmt, n, chunk, k)
@@ -149,6 +194,12 @@ def encode_topk(update: torch.Tensor, residual: torch.Tensor, k: int, chunk: int
             sent = bf16_value(b)
             word = ((b << 16) | idx).view(-1)
             payload.append(torch.where(word >= 2**31, word - 2**32, word))
+        elif fmt == TOPKSIGN:
+            scale = chunk_abs_sums(vals) / np.float32(kc) if kc else vals.new_zeros(rows.shape[0])
+            neg = vals < 0
+            sent = torch.where(neg, -scale.view(-1, 1), scale.view(-1, 1))
+            payload.append(torch.cat([scale.view(torch.int32).long().view(-1, 1),
+                                      _topks_stream(idx, neg, rows.shape[1], kc)], dim=1).view(-1))
         else:
             scale, q = topk8_quantize(vals)
             sent = q * scale.view(-1, 1)
@@ -284,7 +335,8 @@ def _chunked_parts(row: torch.Tensor, fmt: int, n: int):
     chunk, k = head[3], head[4]
     full, rest = divmod(n, chunk)
     per = {TOPK: lambda ln: (k * ln + chunk - 1) // chunk, TERNARY: lambda ln: 1 + (ln + 15) // 16,
-           TOPK8: lambda ln: msgfmt.topk8_chunk_words((k * ln + chunk - 1) // chunk)}[fmt]
+           TOPK8: lambda ln: msgfmt.topk8_chunk_words((k * ln + chunk - 1) // chunk),
+           TOPKSIGN: lambda ln: msgfmt.topks_chunk_words(ln, (k * ln + chunk - 1) // chunk)}[fmt]
     words = msgfmt.chunked_words(fmt, n, chunk, k)
     p = row[HEADER_WORDS:words].long() & 0xFFFFFFFF
     parts = []
@@ -300,7 +352,7 @@ def _validate_chunked(row: torch.Tensor, fmt: int, n: int, scale: float) -> None
     if head[2] != n:
         raise ValueError("message length n does not match the destination buffer")
     chunk, k = head[3], head[4]
-    if fmt in (TOPK, TOPK8) and (not 1 <= chunk <= msgfmt.MAX_TOPK_CHUNK or not 0 <= k <= chunk):
+    if fmt in TOPK_FORMATS and (not 1 <= chunk <= msgfmt.MAX_TOPK_CHUNK or not 0 <= k <= chunk):
         raise ValueError("top-k message: chunk must be in [1, 65536] and k in [0, chunk]")
     if fmt == TERNARY and (not (16 <= chunk <= 2**30 and chunk % 16 == 0) or not 0 <= k <= n):
         raise ValueError("ternary message: chunk must be a multiple of 16 and the entry count in [0, n]")
@@ -322,6 +374,13 @@ def _validate_chunked(row: torch.Tensor, fmt: int, n: int, scale: float) -> None
             iw = (kc + 1) // 2
             if (kc % 2 and (p[:, iw] >> 16).any()) or (kc % 4 and (p[:, 1 + iw + kc // 4] >> (8 * (kc % 4))).any()):
                 raise ValueError("8-bit top-k padding is not zero")
+            continue
+        if fmt == TOPKSIGN:
+            sc = torch.where(p[:, 0] >= 2**31, p[:, 0] - 2**32, p[:, 0]).to(torch.int32).view(torch.float32)
+            with np.errstate(over="ignore"):
+                if not (torch.isfinite(sc).all() and (sc >= 0).all() and torch.isfinite(sc * np.float32(scale)).all()):
+                    raise ValueError("top-k signs chunk scale is not finite and >= 0 (or overflows times scale)")
+            _topks_fields(p, ln, (k * ln + chunk - 1) // chunk)
             continue
         if fmt == TOPK:
             idx = p & 0xFFFF
@@ -380,6 +439,12 @@ def _apply_chunked(flat: torch.Tensor, row: torch.Tensor, fmt: int, n: int, scal
             i = (base.cpu() + idx).view(-1).to(flat.device)
             flat[i] = flat[i] + v.view(-1).to(flat.device)
             continue
+        if fmt == TOPKSIGN:
+            sc, idx, neg = _topks_fields(p, ln, (head[4] * ln + head[3] - 1) // head[3])
+            v = torch.where(neg, -sc.view(-1, 1), sc.view(-1, 1)) * np.float32(scale)
+            i = (base.cpu() + idx).view(-1).to(flat.device)
+            flat[i] = flat[i] + v.view(-1).to(flat.device)
+            continue
         if fmt == TOPK:
             idx = (base + (p & 0xFFFF)).view(-1)
             flat[idx] = flat[idx] + (bf16_value(p >> 16) * np.float32(scale)).view(-1)
@@ -435,6 +500,9 @@ def _topk_entries(row: torch.Tensor, fmt: int, n: int):
         if fmt == TOPK:
             local, v = p & 0xFFFF, p >> 16                  # index, bfloat16 bits
             s = ((v & 0x7FFF) != 0) * (1 - 2 * (v >> 15))   # 0 for +-0, else the sign bit's
+        elif fmt == TOPKSIGN:
+            sc, local, neg = _topks_fields(p, ln, (k * ln + chunk - 1) // chunk)
+            s = (sc.view(-1, 1) != 0) * (1 - 2 * neg.long())  # 0 where the scale is 0, else the sign bit's
         else:
             _, local, q = _topk8_fields(p, (k * ln + chunk - 1) // chunk)
             s = q.sign()
@@ -450,7 +518,7 @@ def sent_signs(row: torch.Tensor, n: int):
     (gradshare.momentum_masking reads what its rank sent from its own message)."""
     cpu = row.cpu()
     fmt = int(cpu[1])
-    if fmt not in (TOPK, TOPK8):
+    if fmt not in TOPK_FORMATS:
         return None
     idx, sign = _topk_entries(cpu, fmt, n)
     if not bool(sign.all()):
@@ -466,7 +534,7 @@ def sent_mask(row: torch.Tensor, n: int) -> torch.Tensor:
     cpu = row.cpu().long()
     fmt = int(cpu[1])
     mask = torch.zeros(n, dtype=torch.bool)
-    if fmt in (TOPK, TOPK8):
+    if fmt in TOPK_FORMATS:
         mask[_topk_entries(row.cpu(), fmt, n)[0]] = True
     elif fmt in msgfmt.CHUNKED:
         chunk, k, _, parts = _chunked_parts(cpu, fmt, n)
