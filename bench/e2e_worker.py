@@ -58,7 +58,7 @@ CONTENDERS: Dict[str, str] = {
     "gradshare_diloco": "gradshare ParameterAveraging as `gradshare train --mode diloco` sets it up: the mean change "
                         "every period steps through the outer optimizer (lr 1, no momentum), inner state local",
     "gradshare_sparse_local": "gradshare ParameterAveraging as `gradshare train --mode sparse_local` sets it up: every "
-                              "period steps the change's top 2%, what is not sent kept in each worker's model",
+                              "period steps the change's top 4% as signs, what is not sent kept in each worker's model",
     "gradshare_ternary_local": "gradshare ParameterAveraging(compression=Ternary(), residual_decay=0.9): every period "
                                "steps the change ternary-coded (2 bits an element) with error feedback",
     "gradshare_streaming": "gradshare_diloco with streaming rounds (`--fragments 4 --overlap period/4`): a quarter of "

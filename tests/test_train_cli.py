@@ -89,6 +89,9 @@ def test_compression_specs_and_config():
     assert isinstance(parse_compression("fixed:1e-3"), Fixed)
     assert isinstance(parse_compression("target:0.001"), TopK) and parse_compression("target:0.001").density == 0.001
     assert parse_compression("topk:0.02").density == 0.02 and isinstance(parse_compression("topk"), TopK)
+    signs = parse_compression("topk_sign:0.1")
+    assert isinstance(signs, TopK) and signs.density == 0.1 and signs.values == "sign"
+    assert parse_compression("topk_sign").values == "sign"
     assert parse_compression("ternary:0.75").fraction == 0.75 and isinstance(parse_compression("ternary"), Ternary)
     assert build_config({}).compression is None and build_config({}).shared == "updates"
     assert isinstance(build_config({"threshold": "adaptive"}).compression, Adaptive)   # the former option name
@@ -111,7 +114,8 @@ def test_local_steps_modes_build_parameter_averaging_options():
     buffered = build_config({"mode": "sparse_local", "error_feedback": "buffer"})
     assert buffered.error_feedback == "buffer" and buffered.residual_decay == 0.9          # SparseLoCo's
     assert build_config({"mode": "diloco"}).error_feedback == "buffer"
-    assert isinstance(s.compression, TopK) and s.compression.density == 0.02 and s.compression.warmup_steps == 0
+    assert isinstance(s.compression, TopK) and s.compression.density == 0.04 and s.compression.warmup_steps == 0
+    assert s.compression.values == "sign"
     s = build_config({"mode": "sparse_local", "compression": "topk:0.01", "outer_lr": 1.5, "residual_decay": 1.0})
     assert s.compression.density == 0.01 and s.compression.warmup_steps == 0 and s.residual_decay == 1.0
     assert s.outer_optimizer == (torch.optim.SGD, {"lr": 1.5, "momentum": 0.0, "nesterov": False})
