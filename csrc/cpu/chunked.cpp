@@ -233,12 +233,10 @@ void pack_topk(int32_t format, const float* u, const int32_t* sel, int64_t kc, i
 void subtract_topk(int32_t format, const int32_t* w, int64_t kc, int64_t len, float* kept) {
   if (format == kTopKSign) {
     const float s = bits_to_float(w[0]);
-    const int l = ef_low_bits(len, kc);
-    topks_walk(w + 1, len, kc, 0, kc ? (ef_high_bits(len, kc, l) + 31) / 32 : 0, 0,
-               [&](int64_t, int64_t pos, bool negative) {
-                 kept[pos] -= sign_entry(s, negative);
-                 return true;
-               });
+    topks_for_each(w + 1, len, kc, [&](int64_t, int64_t pos, bool negative) {
+      kept[pos] -= sign_entry(s, negative);
+      return true;
+    });
     return;
   }
   if (format == kTopK) {

@@ -81,12 +81,10 @@ void apply_chunked(float* dst, const int32_t* msg, int64_t n, float scale) {
     if (format == kTopKSign) {
       const int64_t kc = topk_k(k, len, chunk);
       const float s = bits_to_float(w[0]);
-      const int l = ef_low_bits(len, kc);
-      topks_walk(w + 1, len, kc, 0, kc ? (ef_high_bits(len, kc, l) + 31) / 32 : 0, 0,
-                 [&](int64_t, int64_t pos, bool negative) {
-                   d[pos] += sign_entry(s, negative) * scale;
-                   return true;
-                 });
+      topks_for_each(w + 1, len, kc, [&](int64_t, int64_t pos, bool negative) {
+        d[pos] += sign_entry(s, negative) * scale;
+        return true;
+      });
       continue;
     }
     if (format == kTopK) {

@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(kThreads)
   if (kc == 0) return;  // the same for the whole block
   const int32_t* w = p + c * topks_chunk_words(chunk, k);
   const int l = ef_low_bits(len, kc);
-  const int64_t hs = kc * l, hbits = ef_high_bits(len, kc, l), windows = (hbits + 31) / 32;
+  const int64_t hs = kc * l, hbits = ef_high_bits(len, kc, l), windows = topks_windows(len, kc);
   const int64_t per = (windows + kThreads - 1) / kThreads;
   const int64_t q0 = min(windows, int64_t(threadIdx.x) * per), q1 = min(windows, q0 + per);
   int cnt = 0;

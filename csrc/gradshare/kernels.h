@@ -171,10 +171,7 @@ inline int64_t check_chunked_args(int32_t format, int32_t dtype, int64_t n, int6
       throw std::invalid_argument("chunk: must be a multiple of 16 (and at most 2^30) for ternary");
     if (!(fraction >= 0.0f) || !is_finite(fraction)) throw std::invalid_argument("fraction must be finite and >= 0");
   }
-  const int64_t words = format == kTopK    ? topk_words(n, chunk, k)
-                        : format == kTopK8   ? topk8_words(n, chunk, k)
-                        : format == kTopKSign ? topks_words(n, chunk, k)
-                                              : ternary_words(n, chunk);
+  const int64_t words = chunked_words(format, n, chunk, k);
   if (capacity < words)
     throw std::invalid_argument("out: message needs " + std::to_string(words) + " words, capacity is " +
                                 std::to_string(capacity));

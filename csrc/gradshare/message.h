@@ -124,6 +124,13 @@ GS_HD int64_t ternary_words(int64_t n, int64_t chunk) {
   const int64_t full = n / chunk, rest = n % chunk;
   return kHeaderWords + full * ternary_chunk_words(chunk) + (rest ? ternary_chunk_words(rest) : 0);
 }
+// Words of a top-k, 8-bit top-k, top-k signs or ternary message (k is ignored for ternary).
+GS_HD int64_t chunked_words(int32_t format, int64_t n, int64_t chunk, int64_t k) {
+  return format == kTopK    ? topk_words(n, chunk, k)
+         : format == kTopK8   ? topk8_words(n, chunk, k)
+         : format == kTopKSign ? topks_words(n, chunk, k)
+                               : ternary_words(n, chunk);
+}
 
 GS_HD float bits_to_float(int32_t b) {
 #if defined(__CUDA_ARCH__)
@@ -165,13 +172,11 @@ inline const char* check_chunked_header(const int32_t* h, int64_t row_words, int
   if (is_topk(h[1])) {
     if (chunk < 1 || chunk > kMaxTopKChunk || k < 0 || k > chunk)
       return "top-k message: chunk must be in [1, 65536] and k in [0, chunk]";
-    words = h[1] == kTopK ? topk_words(n, chunk, k)
-                          : (h[1] == kTopK8 ? topk8_words(n, chunk, k) : topks_words(n, chunk, k));
   } else {
     if (chunk < 16 || chunk > kMaxTernaryChunk || chunk % 16 != 0 || k < 0 || k > n)
       return "ternary message: chunk must be a multiple of 16 and the entry count in [0, n]";
-    words = ternary_words(n, chunk);
   }
+  words = chunked_words(h[1], n, chunk, k);
   if (words > row_words) return "message payload runs past the end of its row";
   return nullptr;
 }
@@ -234,9 +239,15 @@ GS_HD int popcount32(uint32_t x);
 // A top-k signs entry: +s, or -s when its sign bit is set.
 GS_HD float sign_entry(float s, bool negative) { return negative ? -s : s; }
 
+// The 32-bit windows a top-k signs chunk's high bits span (0 when it has no entry).
+GS_HD int64_t topks_windows(int64_t len, int64_t kc) {
+  return kc > 0 ? (ef_high_bits(len, kc, ef_low_bits(len, kc)) + 31) / 32 : 0;
+}
+
 // Walks a top-k signs chunk's high bits from window `q0` (32 bits each) to `q1`, entry `i` being the first
 // set bit met: f(i, local index, negative) for each entry, in ascending order; stops at the first f that
-// returns false (and returns false). The GPU decoder runs it on each thread's windows after a scan of their counts.
+// returns false (and returns false). The GPU decoder runs it on each thread's windows after a scan of their counts;
+// topks_for_each walks a whole chunk.
 template <typename F>
 GS_HD bool topks_walk(const int32_t* stream, int64_t len, int64_t kc, int64_t q0, int64_t q1, int64_t i, F&& f) {
   const int l = ef_low_bits(len, kc);
@@ -256,6 +267,11 @@ GS_HD bool topks_walk(const int32_t* stream, int64_t len, int64_t kc, int64_t q0
   return true;
 }
 
+template <typename F>
+GS_HD bool topks_for_each(const int32_t* stream, int64_t len, int64_t kc, F&& f) {
+  return topks_walk(stream, len, kc, 0, topks_windows(len, kc), 0, f);
+}
+
 struct TopksCheck {  // validation state of one chunk: the entries so far and the last local index
   int64_t len, kc, count = 0, prev = -1;
   GS_HD bool operator()(int64_t i, int64_t p, bool) {
@@ -270,9 +286,8 @@ struct TopksCheck {  // validation state of one chunk: the entries so far and th
 // bits past its end. 0 when sound, else 1.
 GS_HD int topks_stream_why(const int32_t* w, int64_t kc, int64_t len) {
   if (kc <= 0) return 0;
-  const int l = ef_low_bits(len, kc);
   TopksCheck check{len, kc};
-  if (!topks_walk(w + 1, len, kc, 0, (ef_high_bits(len, kc, l) + 31) / 32, 0, check) || check.count != kc) return 1;
+  if (!topks_for_each(w + 1, len, kc, check) || check.count != kc) return 1;
   const int64_t bits = topks_chunk_bits(len, kc);
   if ((bits & 31) && (static_cast<uint32_t>(w[1 + bits / 32]) >> (bits & 31)) != 0) return 1;
   return 0;
