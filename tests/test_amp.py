@@ -95,3 +95,38 @@ def test_bf16_autocast_trains_with_identical_replicas(front):
     for losses, params in res:
         assert np.isfinite(losses).all() and losses[-1] < 0.8 * losses[0], losses
         assert np.array_equal(params, res[0][1])
+
+
+class _OwnScaler(torch.amp.GradScaler):
+    """A user's scaler that overrides ``step`` (as Lightning's and FSDP's subclasses may)."""
+
+    def step(self, optimizer, *args, **kwargs):
+        return super().step(optimizer, *args, **kwargs)
+
+
+class _Recording(torch.optim.SGD):
+    """Records, at each step, whether the hook's check finds a GradScaler calling it."""
+
+    def step(self, closure=None):
+        from gradshare.hooks import _called_by_grad_scaler
+        self.seen.append(_called_by_grad_scaler())
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("how", ["plain", "scaler", "subclass", "disabled"])
+def test_a_grad_scaler_is_found_among_the_callers(how):
+    """Updates mode gathers every rank's non-finite flag when a GradScaler may skip a rank's step: the check
+    finds one by its ``step``'s code, a subclass's override included; a disabled one steps every rank."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = _Recording([p], lr=0.1)
+    opt.seen = []
+    scaler = {"plain": None, "scaler": torch.amp.GradScaler("cpu"), "subclass": _OwnScaler("cpu"),
+              "disabled": torch.amp.GradScaler("cpu", enabled=False)}[how]
+    loss = (2 * p).sum()
+    if scaler is None:
+        loss.backward()
+        opt.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+    assert opt.seen == [how in ("scaler", "subclass")]

@@ -5,8 +5,10 @@ Every property is checked on every (front end, mode): replicas stay bitwise iden
 training exactly, a non-finite value stops every rank ("raise") or drops the step everywhere with all state
 unchanged ("skip"), and with one rank nothing is encoded.
 """
+import gc
 import pickle
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -21,7 +23,7 @@ from gradshare import (Adaptive, Fixed, SharedOptimizer, Ternary, ThresholdState
                        threshold_hook, verify_replicas)
 from gradshare.replicas import ReplicaMismatchError
 from gradshare.workers import run_local
-from tiny_model import batch as _batch, flat as _flat, net as _net, restore, scaled_steps, snapshot
+from tiny_model import batch as _batch, flat as _flat, grad_scaler, net as _net, restore, scaled_steps, snapshot
 
 SETUPS = [("hook", "updates"), ("hook", "gradients"), ("optimizer", "updates"), ("optimizer", "gradients")]
 IDS = [f"{f}-{m}" for f, m in SETUPS]
@@ -286,6 +288,39 @@ def test_grad_scaler_changes_nothing_and_an_inf_skips_everywhere():
     assert res[1]["optimizer_inf"][1][3] == res[1]["optimizer_inf"][1][2] / 2
     assert res[0]["optimizer_inf"][1][3] == res[0]["optimizer_inf"][1][2]
     assert not np.array_equal(res[0]["optimizer_inf"][0], res[0]["optimizer"][1])   # steps after the skip ran
+
+
+def _freed_when_dropped():
+    """Whether a hooked DDP and its optimizer that the script drops after a few steps are freed, for a plain
+    script, one under a GradScaler and one whose scaler subclass overrides ``step``."""
+    class OwnScaler(torch.amp.GradScaler):
+        def step(self, optimizer, *args, **kwargs):
+            return super().step(optimizer, *args, **kwargs)
+
+    freed = {}
+    for name, scaler in (("plain", None), ("scaler", grad_scaler()), ("subclass", OwnScaler("cpu"))):
+        model, net, opt = _default_front("hook")
+        scaled_steps(model, net, opt, scaler=scaler, steps=3) if scaler is not None else _plain_steps(net, opt)
+        refs = (weakref.ref(net), weakref.ref(opt))
+        model = net = opt = None             # the script moves on (a sweep's next run, or `del model`)
+        gc.collect()
+        freed[name] = all(r() is None for r in refs)
+    return freed
+
+
+def _plain_steps(net, opt, steps=3):
+    for step in range(steps):
+        x, y = _batch(dist.get_rank(), step)
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+
+
+def test_a_dropped_model_is_freed():
+    """The hook looks for a GradScaler among its callers by their code, never by reading the caller's local
+    variables: reading them leaves a snapshot on the script's frame that would keep a model it drops alive."""
+    for r in run_local(_freed_when_dropped, 2, timeout=120):
+        assert r == {"plain": True, "scaler": True, "subclass": True}
 
 
 def _collectives_per_step(front, scaler):

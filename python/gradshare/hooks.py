@@ -48,6 +48,7 @@ loss scale changes nothing that is sent. Sharing gradients under a GradScaler, p
 every rank's scaler skip the step and back off.
 """
 
+import inspect
 import sys
 import threading
 import warnings
@@ -611,14 +612,33 @@ def _updates_exchange(state: ThresholdState, bucket, buf: torch.Tensor) -> torch
 
 def _called_by_grad_scaler() -> bool:
     """Whether a torch.amp.GradScaler (or a subclass: torch.cuda.amp's, FSDP's ShardedGradScaler) is on the call
-    stack, i.e. calls this optimizer step (directly, or through Lightning, Accelerate, a Trainer)."""
+    stack, i.e. calls this optimizer step (directly, or through Lightning, Accelerate, a Trainer).
+
+    Frames are told by their code, and only a scaler's own ``step`` frame has its locals read: reading a
+    frame's ``f_locals`` (before Python 3.13) leaves on it a snapshot of its variables that lives as long as
+    the frame, so reading the caller's frames would keep whatever the user's script later deletes or
+    rebinds (a model, its DDP wrapper, their memory) alive until that function returns."""
+    codes = _scaler_step_codes()
     f = sys._getframe(1)
     while f is not None:
-        scaler = f.f_locals.get("self")
-        if isinstance(scaler, torch.amp.GradScaler):
-            return scaler.is_enabled()            # a disabled scaler calls step() on every rank, every step
+        if f.f_code in codes:
+            scaler = f.f_locals.get("self")
+            if isinstance(scaler, torch.amp.GradScaler):
+                return scaler.is_enabled()        # a disabled scaler calls step() on every rank, every step
         f = f.f_back
     return False
+
+
+def _scaler_step_codes() -> set:
+    """The code objects of ``step`` as torch.amp.GradScaler and its subclasses define it (unwrapped)."""
+    codes, classes = set(), [torch.amp.GradScaler]
+    while classes:
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        fn = inspect.unwrap(cls.__dict__["step"]) if "step" in cls.__dict__ else None
+        if getattr(fn, "__code__", None) is not None:
+            codes.add(fn.__code__)
+    return codes
 
 
 def _allreduce_uncovered(state: ThresholdState, params, buf: torch.Tensor) -> Optional[torch.futures.Future]:
