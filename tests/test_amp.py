@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradshare import SharedOptimizer, ThresholdState, TopK, threshold_hook, verify_replicas
 from gradshare.workers import run_local
-from tiny_model import batch, flat, grad_scaler, net, scaled_steps
+from tiny_model import OwnStepScaler, batch, flat, grad_scaler, net, scaled_steps
 
 
 def _gradients_hook(scaler=None):
@@ -97,13 +97,6 @@ def test_bf16_autocast_trains_with_identical_replicas(front):
         assert np.array_equal(params, res[0][1])
 
 
-class _OwnScaler(torch.amp.GradScaler):
-    """A user's scaler that overrides ``step`` (as Lightning's and FSDP's subclasses may)."""
-
-    def step(self, optimizer, *args, **kwargs):
-        return super().step(optimizer, *args, **kwargs)
-
-
 class _Recording(torch.optim.SGD):
     """Records, at each step, whether the hook's check finds a GradScaler calling it."""
 
@@ -120,7 +113,7 @@ def test_a_grad_scaler_is_found_among_the_callers(how):
     p = torch.nn.Parameter(torch.ones(3))
     opt = _Recording([p], lr=0.1)
     opt.seen = []
-    scaler = {"plain": None, "scaler": torch.amp.GradScaler("cpu"), "subclass": _OwnScaler("cpu"),
+    scaler = {"plain": None, "scaler": torch.amp.GradScaler("cpu"), "subclass": OwnStepScaler("cpu"),
               "disabled": torch.amp.GradScaler("cpu", enabled=False)}[how]
     loss = (2 * p).sum()
     if scaler is None:

@@ -23,7 +23,8 @@ from gradshare import (Adaptive, Fixed, SharedOptimizer, Ternary, ThresholdState
                        threshold_hook, verify_replicas)
 from gradshare.replicas import ReplicaMismatchError
 from gradshare.workers import run_local
-from tiny_model import batch as _batch, flat as _flat, grad_scaler, net as _net, restore, scaled_steps, snapshot
+from tiny_model import (OwnStepScaler, batch as _batch, flat as _flat, grad_scaler, net as _net, restore, scaled_steps,
+                        snapshot)
 
 SETUPS = [("hook", "updates"), ("hook", "gradients"), ("optimizer", "updates"), ("optimizer", "gradients")]
 IDS = [f"{f}-{m}" for f, m in SETUPS]
@@ -293,12 +294,8 @@ def test_grad_scaler_changes_nothing_and_an_inf_skips_everywhere():
 def _freed_when_dropped():
     """Whether a hooked DDP and its optimizer that the script drops after a few steps are freed, for a plain
     script, one under a GradScaler and one whose scaler subclass overrides ``step``."""
-    class OwnScaler(torch.amp.GradScaler):
-        def step(self, optimizer, *args, **kwargs):
-            return super().step(optimizer, *args, **kwargs)
-
     freed = {}
-    for name, scaler in (("plain", None), ("scaler", grad_scaler()), ("subclass", OwnScaler("cpu"))):
+    for name, scaler in (("plain", None), ("scaler", grad_scaler()), ("subclass", OwnStepScaler("cpu"))):
         model, net, opt = _default_front("hook")
         scaled_steps(model, net, opt, scaler=scaler, steps=3) if scaler is not None else _plain_steps(net, opt)
         refs = (weakref.ref(net), weakref.ref(opt))

@@ -112,6 +112,13 @@ def grad_scaler(enabled=True):
     return torch.amp.GradScaler("cpu", init_scale=2.0**12, enabled=enabled)
 
 
+class OwnStepScaler(torch.amp.GradScaler):
+    """A user's GradScaler subclass that overrides ``step`` (as Lightning's and FSDP's may)."""
+
+    def step(self, optimizer, *args, **kwargs):
+        return super().step(optimizer, *args, **kwargs)
+
+
 def scaled_steps(model, net, opt, steps=6, bad_at=None, enabled=True, scaler=None):
     """``steps`` training steps under a torch.amp.GradScaler (``scaler``, or a new :func:`grad_scaler`; an Inf in
     rank 1's input at step ``bad_at``): the flat parameters after them and the scale after each step."""
