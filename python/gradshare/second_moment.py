@@ -120,9 +120,11 @@ def needs_change(optimizer: Optional[torch.optim.Optimizer]) -> bool:
     return kind(optimizer) not in (None, "adam")
 
 
-def _moments(state: Dict[str, Any], group: Dict[str, Any]) -> Optional[Tuple[torch.Tensor, torch.Tensor, float]]:
-    """Bias-corrected (m, v) of one parameter as float32 copies, and its Adam step count; None before its
-    first step or for a parameter this rule does not cover (complex, or state missing)."""
+def _adam_state(state: Dict[str, Any], group: Dict[str, Any]
+                ) -> Optional[Tuple[torch.Tensor, torch.Tensor, float, float, float]]:
+    """One parameter's Adam-family moments as the optimizer holds them (m; v, or amsgrad's running maximum),
+    its step count and betas; None before its first step or for a parameter this rule does not cover
+    (complex, or state missing)."""
     m = state.get("exp_avg")
     v = state.get("max_exp_avg_sq") if group.get("amsgrad") else state.get("exp_avg_sq")
     step = state.get("step")
@@ -132,6 +134,16 @@ def _moments(state: Dict[str, Any], group: Dict[str, Any]) -> Optional[Tuple[tor
     if t < 1:
         return None
     b1, b2 = (float(b) for b in group["betas"])
+    return m, v, t, b1, b2
+
+
+def _moments(state: Dict[str, Any], group: Dict[str, Any]) -> Optional[Tuple[torch.Tensor, torch.Tensor, float]]:
+    """Bias-corrected (m, v) of one parameter as float32 copies, and its Adam step count; None as for
+    :func:`_adam_state`."""
+    held = _adam_state(state, group)
+    if held is None:
+        return None
+    m, v, t, b1, b2 = held
     return m.float() / (1.0 - b1 ** t), v.float() / (1.0 - b2 ** t), t
 
 
@@ -356,15 +368,10 @@ def _adam_family_args(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, A
     """The arguments of gradshare.ops.global_batch_step for an Adam, AdamW, NAdam or RAdam step (less the
     target); None when there is nothing to correct. With ``aux`` (the parameter's entry of
     :class:`GlobalBatchStep`) the squared mean is its average of m^2 over v's window, which the step updates."""
-    m = state.get("exp_avg")
-    v = state.get("max_exp_avg_sq") if group.get("amsgrad") else state.get("exp_avg_sq")
-    step = state.get("step")
-    if m is None or v is None or step is None or m.is_complex():
+    held = _adam_state(state, group)
+    if held is None:
         return None
-    t = float(step)
-    if t < 1:
-        return None
-    b1, b2 = (float(b) for b in group["betas"])
+    m, v, t, b1, b2 = held
     lr, eps = float(group["lr"]), float(group["eps"])
     args = dict(exp_avg=m.detach().reshape(-1), exp_avg_sq=v.detach().reshape(-1), bias1=1.0 - b1 ** t,
                 bias2=1.0 - b2 ** t, world=world, eps=eps)
