@@ -110,9 +110,13 @@ def test_local_steps_modes_build_parameter_averaging_options():
     paper = build_config({"mode": "diloco", "outer_lr": 0.7, "outer_momentum": 0.9})
     assert paper.outer_optimizer == (torch.optim.SGD, {"lr": 0.7, "momentum": 0.9, "nesterov": True})
     s = build_config({"mode": "sparse_local"})
-    assert s.outer_optimizer is None and s.residual_decay == 1.0 and s.error_feedback == "model"   # no decay
+    assert s.residual_decay == 1.0 and s.error_feedback == "model"   # no decay
+    assert s.outer_optimizer == (torch.optim.SGD, {"lr": 1.15, "momentum": 0.0, "nesterov": False})
+    pushed = build_config({"mode": "sparse_local", "outer_momentum": 0.5})
+    assert pushed.outer_optimizer == (torch.optim.SGD, {"lr": 1.15, "momentum": 0.5, "nesterov": True})
     buffered = build_config({"mode": "sparse_local", "error_feedback": "buffer"})
     assert buffered.error_feedback == "buffer" and buffered.residual_decay == 0.9          # SparseLoCo's
+    assert buffered.outer_optimizer is None                                                # the mean change
     assert build_config({"mode": "diloco"}).error_feedback == "buffer"
     assert isinstance(s.compression, TopK) and s.compression.density == 0.04 and s.compression.warmup_steps == 0
     assert s.compression.values == "sign"

@@ -26,6 +26,9 @@ pseudo-gradient) through gradshare's sharing core (gradshare.sharing), with erro
 - The top entries as signs: ``compression=gradshare.TopK(0.04, warmup_steps=0, values="sign")`` sends each
   entry as +-s (s: its chunk's mean |entry|) with its index Elias-Fano coded, about 7.6 bits an entry at 4%
   where 8-bit values take 24; with ``error_feedback="model"`` the residual soon sends what the sign dropped.
+  There ``outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.15)`` applies 1.15 times the mean of what was sent:
+  an entry only some ranks sent arrives at a fraction of its size, so the mean result trails the ranks' progress
+  along their largest entries (measured: README, "Local steps"; ``gradshare train --mode sparse_local``'s default).
 
 Where what a round does not send waits (``error_feedback``, with ``compression``). "buffer" (default,
 SparseLoCo's): in an error-feedback buffer; every rank's model becomes the round's mean result, and its next
