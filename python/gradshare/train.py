@@ -209,9 +209,11 @@ def local_steps_options(opts: Dict[str, Any]) -> Dict[str, Any]:
     if mode == "diloco":
         lr = DILOCO_OUTER[0] if lr is None else lr
         momentum = DILOCO_OUTER[1] if momentum is None else momentum
-    elif mode == "sparse_local" and feedback == "model" or lr is not None or momentum is not None:
-        lr = (SPARSE_LOCAL_OUTER_LR if mode == "sparse_local" and feedback == "model" else 1.0) if lr is None else lr
-        momentum = 0.0 if momentum is None else momentum
+    else:
+        in_model = mode == "sparse_local" and feedback == "model"    # an outer lr by default (SPARSE_LOCAL_OUTER_LR)
+        if in_model or lr is not None or momentum is not None:
+            lr = (SPARSE_LOCAL_OUTER_LR if in_model else 1.0) if lr is None else lr
+            momentum = 0.0 if momentum is None else momentum
     return {"mode": "averaging", "compression": compression, "fragments": int(opts.get("fragments") or 1),
             "overlap": int(opts.get("overlap") or 0), "error_feedback": feedback,
             "residual_decay": float(decay if decay is not None else SPARSE_LOCAL_DECAY
