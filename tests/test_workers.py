@@ -67,6 +67,20 @@ def test_dead_worker_ends_the_run():
         run_local(_die_on_rank_0, 2, timeout=60, collective_timeout=30)
 
 
+def _stall_in_rank_1():
+    if dist.get_rank() == 1:
+        time.sleep(600)
+
+
+def test_a_stalled_run_prints_where_its_workers_are(capfd):
+    # A timeout says which workers had not reported, and each prints every thread's stack to its stderr first,
+    # so that a stall anywhere (a collective, a lock, the process group's teardown) shows where it is.
+    with pytest.raises(TimeoutError, match=r"workers \[1\] had not reported"):
+        run_local(_stall_in_rank_1, 2, timeout=20, collective_timeout=30)
+    err = capfd.readouterr().err
+    assert "most recent call first" in err and "in _stall_in_rank_1" in err
+
+
 def _alive(pid: int) -> bool:
     """Running (a zombie that only waits to be reaped counts as stopped)."""
     try:

@@ -93,7 +93,8 @@ class ParallelWrapper:
         seed: fixes the data order of every epoch (and each worker's torch RNG).
         batch_keys: the keys of the inputs and the targets in dict batches (default "input", "target").
         progress: show a tqdm progress bar (rank 0).
-        timeout: seconds after which a whole fit/evaluate/predict gives up.
+        timeout: seconds after which a whole fit/evaluate/predict gives up (TimeoutError; each worker still
+            running prints its threads' stacks to its stderr first).
         shared, clipping, average_optimizer_state, warmup_steps: see gradshare.loop.TrainConfig.
     """
 

@@ -1,10 +1,14 @@
 """Run a function on N local worker processes joined in a torch.distributed process group.
 
 The one place gradshare starts local processes (ParallelWrapper, `gradshare train`, the tests). Every
-wait is bounded: a worker that raises or dies ends the whole run with its traceback, never a hang.
+wait is bounded: a worker that raises or dies ends the whole run with its traceback, never a hang. A run
+that outlives its ``timeout`` first has every worker still alive print all its threads' Python stacks to
+its stderr (faulthandler, on SIGUSR1: it works while a thread holds the GIL), so that a stall says where
+it is before the workers are stopped.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import queue
@@ -20,6 +24,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gradshare import process_group
+
+
+# The signal on which a worker prints every thread's stack (run_local sends it when a run times out).
+STACKS_SIGNAL = signal.SIGUSR1
 
 
 class WorkerError(RuntimeError):
@@ -56,6 +64,7 @@ def _entry(rank: int, world_size: int, port: int, backend: str, threads: int, co
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)     # run_local's timeout asks for the stacks
     torch.set_num_threads(threads)
     try:
         timeout = timedelta(seconds=collective_timeout)
@@ -77,6 +86,19 @@ def _entry(rank: int, world_size: int, port: int, backend: str, threads: int, co
             pass
 
 
+def _print_stacks(procs, done, settle: float = 2.0) -> List[int]:
+    """Has each live worker that has not reported print its threads' stacks to its stderr; their ranks."""
+    stalled = [r for r, p in enumerate(procs) if r not in done and p.is_alive()]
+    for r in stalled:
+        try:
+            os.kill(procs[r].pid, STACKS_SIGNAL)
+        except ProcessLookupError:
+            pass
+    if stalled:
+        time.sleep(settle)          # the dump is written by the worker's signal handler: give it a moment
+    return stalled
+
+
 def run_local(fn: Callable, world_size: int, args: Sequence = (), *, backend: str = "gloo",
               threads: Optional[int] = None, timeout: float = 300.0, collective_timeout: float = 60.0) -> List[Any]:
     """Runs ``fn(*args)`` on ``world_size`` spawned processes; returns each rank's result, by rank.
@@ -84,7 +106,8 @@ def run_local(fn: Callable, world_size: int, args: Sequence = (), *, backend: st
     ``fn`` must be importable (defined at module level). Inside it, torch.distributed is initialised
     (RANK/WORLD_SIZE/LOCAL_RANK are set). ``threads``: torch threads per worker (default: the cores split
     between workers). Raises WorkerError with the first failing worker's traceback, TimeoutError when the
-    whole run exceeds ``timeout`` seconds; collectives give up after ``collective_timeout``.
+    whole run exceeds ``timeout`` seconds (each worker still running has printed its threads' stacks to its
+    stderr by then); collectives give up after ``collective_timeout``.
     """
     if world_size < 1:
         raise ValueError(f"world_size: must be >= 1, got {world_size}")
@@ -118,7 +141,9 @@ def run_local(fn: Callable, world_size: int, args: Sequence = (), *, backend: st
                             raise WorkerError(r, f"process exited with code {p.exitcode} without reporting") from None
                 else:
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"local run did not finish within {timeout:.0f} s")
+                        stalled = _print_stacks(procs, done)
+                        raise TimeoutError(f"local run did not finish within {timeout:.0f} s; workers {stalled} "
+                                           "had not reported (their threads' stacks are on stderr)")
                     continue
             if not ok:
                 # A peer's "connection reset" often follows another worker's death: name the dead one.
