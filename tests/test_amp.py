@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradshare import SharedOptimizer, ThresholdState, TopK, threshold_hook, verify_replicas
 from gradshare.workers import run_local
-from tiny_model import OwnStepScaler, batch, flat, grad_scaler, net, scaled_steps
+from tiny_model import OwnStepScaler, batch, flat, grad_scaler, net, scaled_steps, step_with
 
 
 def _gradients_hook(scaler=None):
@@ -115,11 +115,5 @@ def test_a_grad_scaler_is_found_among_the_callers(how):
     opt.seen = []
     scaler = {"plain": None, "scaler": torch.amp.GradScaler("cpu"), "subclass": OwnStepScaler("cpu"),
               "disabled": torch.amp.GradScaler("cpu", enabled=False)}[how]
-    loss = (2 * p).sum()
-    if scaler is None:
-        loss.backward()
-        opt.step()
-    else:
-        scaler.scale(loss).backward()
-        scaler.step(opt)
+    step_with(opt, (2 * p).sum(), scaler, update=False)
     assert opt.seen == [how in ("scaler", "subclass")]

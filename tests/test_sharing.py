@@ -24,7 +24,7 @@ from gradshare import (Adaptive, Fixed, SharedOptimizer, Ternary, ThresholdState
 from gradshare.replicas import ReplicaMismatchError
 from gradshare.workers import run_local
 from tiny_model import (OwnStepScaler, batch as _batch, flat as _flat, grad_scaler, net as _net, restore, scaled_steps,
-                        snapshot)
+                        snapshot, step_with)
 
 SETUPS = [("hook", "updates"), ("hook", "gradients"), ("optimizer", "updates"), ("optimizer", "gradients")]
 IDS = [f"{f}-{m}" for f, m in SETUPS]
@@ -338,14 +338,7 @@ def _collectives_per_step(front, scaler):
                 calls.clear()
             x, y = _batch(dist.get_rank(), step)
             opt.zero_grad()
-            loss = F.cross_entropy(net(x), y)
-            if scaler is None:
-                loss.backward()
-                opt.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
+            step_with(opt, F.cross_entropy(net(x), y), scaler)
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)

@@ -119,6 +119,19 @@ class OwnStepScaler(torch.amp.GradScaler):
         return super().step(optimizer, *args, **kwargs)
 
 
+def step_with(opt, loss, scaler=None, update=True):
+    """``loss.backward(); opt.step()``, or the same through ``scaler`` (a GradScaler: scaled backward,
+    ``scaler.step(opt)``, then ``scaler.update()`` unless ``update`` is False)."""
+    if scaler is None:
+        loss.backward()
+        opt.step()
+        return
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    if update:
+        scaler.update()
+
+
 def scaled_steps(model, net, opt, steps=6, bad_at=None, enabled=True, scaler=None):
     """``steps`` training steps under a torch.amp.GradScaler (``scaler``, or a new :func:`grad_scaler`; an Inf in
     rank 1's input at step ``bad_at``): the flat parameters after them and the scale after each step."""
@@ -133,9 +146,7 @@ def scaled_steps(model, net, opt, steps=6, bad_at=None, enabled=True, scaler=Non
         if step == bad_at and r == 1:
             x[0, 0] = float("inf")
         opt.zero_grad()
-        scaler.scale(F.cross_entropy(net(x), y)).backward()
-        scaler.step(opt)
-        scaler.update()
+        step_with(opt, F.cross_entropy(net(x), y), scaler)
         scales.append(scaler.get_scale())
     return flat(model), scales
 
