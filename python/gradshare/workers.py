@@ -64,7 +64,10 @@ def _entry(rank: int, world_size: int, port: int, backend: str, threads: int, co
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    faulthandler.register(STACKS_SIGNAL, all_threads=True)     # run_local's timeout asks for the stacks
+    try:
+        faulthandler.register(STACKS_SIGNAL, all_threads=True)     # run_local's timeout asks for the stacks
+    except (AttributeError, RuntimeError, ValueError, OSError):    # no usable stderr: no stacks, the run goes on
+        pass
     torch.set_num_threads(threads)
     try:
         timeout = timedelta(seconds=collective_timeout)
