@@ -114,6 +114,20 @@ class CharLM(nn.Module):
         return self.head(self.ln(self.blocks(x)))
 
 
+class CharLSTM(nn.Module):
+    """Byte-level two-layer LSTM language model with tied input and output embeddings."""
+
+    def __init__(self, d: int = 256, layers: int = 2):
+        super().__init__()
+        self.tok = nn.Embedding(256, d)
+        self.rnn = nn.LSTM(d, d, layers, batch_first=True)
+        self.head = nn.Linear(d, 256)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx):
+        return self.head(self.rnn(self.tok(idx))[0])
+
+
 # ----------------------------------------------------------------------------------------------- text
 TRAIN_MODULES = ("argparse.py", "collections/__init__.py", "dataclasses.py", "inspect.py", "typing.py", "pathlib.py",
                  "subprocess.py", "tarfile.py", "threading.py", "logging/__init__.py", "enum.py", "functools.py")
@@ -179,6 +193,11 @@ WORKLOADS: Dict[str, Workload] = {
     # the LM as most transformer scripts train it: the gradients' norm clipped to 1 before each step
     "char_lm_clip": Workload("char_lm_clip", CharLM, lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.01),
                              16, 300, "loss", clip=1.0),
+    # an LSTM LM trained the classic way: plain SGD at a large learning rate, the gradients' norm clipped
+    "char_lm_lstm": Workload("char_lm_lstm", CharLSTM, _sgd(lr=1.0, momentum=0.0), 16, 300, "loss", clip=0.25),
+    # the same LSTM with Adam, as most recurrent models train now
+    "char_lm_lstm_adam": Workload("char_lm_lstm_adam", CharLSTM, lambda ps: torch.optim.Adam(ps, lr=2e-3), 16, 300,
+                                  "loss", clip=1.0),
     # least squares with little gradient noise (Data: fresh samples of a linear map every step)
     "regression": Workload("regression", RegressionMLP, _sgd(), 32, 600, "loss"),
     # the same with Adam and with AdamW (whose first moment fills with a waiting element's stale gradient too)
