@@ -27,7 +27,10 @@ every workload), ``gradshare_gradients`` (the hook without ``optimizer=``: gradi
 ``gradshare_strom`` (DL4J's +-tau with an Adaptive threshold, gradients shared: gradshare's former default),
 ``gradshare_own_moment`` (the defaults with each rank's adaptive step left as its own, not rescaled to the global
 batch's second moment: gradshare.second_moment), ``gradshare_delayed`` (``gradshare`` one step late:
-``delay=1``, each step's mean update applied at the end of the next, ``flush()`` before evaluating)
+``delay=1``, each step's mean update applied at the end of the next, ``flush()`` before evaluating),
+``gradshare_model`` (``error_feedback="model"``, compressing every step: what a step does not send waits in each
+rank's model, and its default compression, the top 1% as signs; rank 0's own model is judged, without
+``merge()``), ``gradshare_model_1e-3`` (the same at 0.1% with 8-bit values: ``TargetSparsity(target=0.001)``)
 and ``single`` (one process alone, same batch per step: what sharing must beat). Any contender with
 ``@bf16`` appended trains under CPU bf16 autocast, with ``@fp16`` under fp16 autocast and a
 torch.amp.GradScaler (``scaler.step`` on the optimizer, as in a user's AMP script).
@@ -83,7 +86,8 @@ LOCAL_STEPS = {
     "ternary_h64_model": "dict(frequency=64, compression=Ternary(), error_feedback='model')",
 }
 CONTENDERS = ("ddp", "powersgd", "gradshare", "gradshare_auto", "gradshare_1e-2", "gradshare_1e-3", "gradshare_ternary",
-              "gradshare_topk", "gradshare_gradients", "gradshare_strom", "gradshare_own_moment", "gradshare_delayed", "single",
+              "gradshare_topk", "gradshare_gradients", "gradshare_strom", "gradshare_own_moment", "gradshare_delayed",
+              "gradshare_model", "gradshare_model_1e-3", "single",
               *LOCAL_STEPS)
 
 
@@ -194,6 +198,10 @@ def rank_main(cfg: Dict) -> Dict:
             kwargs["link"] = None
         elif name == "gradshare_delayed":
             kwargs.update(link=None, delay=1)
+        elif name == "gradshare_model":        # what waits in each rank's model; its default, the top 1% as signs
+            kwargs.update(link=None, error_feedback="model")
+        elif name == "gradshare_model_1e-3":
+            kwargs.update(error_feedback="model", compression=gradshare.TargetSparsity(target=0.001))
         elif name == "gradshare_gradients":
             kwargs = {}
         elif name == "gradshare_strom":

@@ -384,7 +384,7 @@ def test_pseudo_gradient_on_one_process_and_argument_checks():
     with pytest.raises(ValueError, match="'buffer' or 'model'"):
         ParameterAveraging(model, sgd, compression=gradshare.TopK(0.1), error_feedback="models")
     with pytest.raises(ValueError, match="local steps"):
-        gradshare.sharing.Sharing(gradshare.TopK(0.1), optimizer=sgd, mode="updates", error_feedback="model")
+        gradshare.sharing.Sharing(gradshare.TopK(0.1), optimizer=sgd, mode="gradients", error_feedback="model")
     # one rank: nothing is kept back, the model trains as without error feedback
     sparse_model, _ = run(compression=gradshare.TopK(0.01, warmup_steps=0), error_feedback="model")
     assert torch.equal(plain, sparse_model)

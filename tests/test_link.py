@@ -309,7 +309,7 @@ def test_defaults_turn_it_on_only_where_it_applies():
 
 
 # ------------------------------------------------------------------------------------------- two ranks
-def _setup(front, optimizer, costs, compression=None, nonfinite="raise", on_allreduce=False):
+def _setup(front, optimizer, costs, compression=None, nonfinite="raise", on_allreduce=False, error_feedback="buffer"):
     """A model and its sharing over two ranks, the link timed by a FakeClock; ``on_allreduce``: starting on the
     all-reduce, as a run resumed after choosing it does (a fresh one measures compression first)."""
     model = net_with_temperature() if optimizer == "adamw_0dim" else _net()
@@ -322,7 +322,7 @@ def _setup(front, optimizer, costs, compression=None, nonfinite="raise", on_allr
              # an adaptive value in the param_groups, estimated from each rank's own gradients (D-Adaptation's d)
              "group_adaptive": lambda ps: GroupAdaptive(ps, lr=0.05)}[optimizer](model.parameters())
     clock = FakeClock(costs)
-    kw = dict(compression=compression, link=LinkAware(clock=clock), nonfinite=nonfinite)
+    kw = dict(compression=compression, link=LinkAware(clock=clock), nonfinite=nonfinite, error_feedback=error_feedback)
     if front == "hook":
         net = DDP(model)
         state = ThresholdState(optimizer=inner, **kw)
@@ -355,12 +355,12 @@ def _states(inner):
             if torch.is_tensor(t) and t.is_floating_point() and k != "step"]
 
 
-def _agree_and_switch(front, optimizer):
+def _agree_and_switch(front, optimizer, error_feedback="buffer"):
     warnings.simplefilter("ignore")
     r = dist.get_rank()
     # Rank 0 finds compression fast, rank 1 slow: the slowest rank's times decide, the same on both.
     costs = {ALLREDUCE: 10.0, COMPRESSED: 4.0 if r == 0 else 30.0}
-    model, net, inner, opt, state, sh = _setup(front, optimizer, costs)
+    model, net, inner, opt, state, sh = _setup(front, optimizer, costs, error_feedback=error_feedback)
     modes = []
     _train(net, opt, 14, modes=modes, sharing=sh)
     verify_replicas(model)
@@ -370,6 +370,7 @@ def _agree_and_switch(front, optimizer):
     sh.link.next_probe = sh.link.steps
     _train(net, opt, 8, start=14, modes=modes, sharing=sh)
     out["choice_after"] = sh.link.choice
+    out["own_params_at_compressed"] = _flat(model)     # error_feedback="model": each rank's own
     # ... and slow again: back to the all-reduce, whose first step makes optimizer states equal.
     sh.link.clock.costs = {ALLREDUCE: 10.0, COMPRESSED: 40.0}
     _train(net, opt, 8, start=22, modes=modes, sharing=sh)       # recent compressed steps are slow now
@@ -400,6 +401,21 @@ def test_ranks_agree_and_switching_keeps_replicas_and_states_equal(front, optimi
     for x, y in zip(a["states"], b["states"]):
         assert np.array_equal(x, y)
     assert a["groups"] == b["groups"]                  # D-Adaptation's d too
+    assert a["residual_max"] == 0.0
+
+
+@pytest.mark.parametrize("front", ["hook", "optimizer"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_model_feedback_switches_to_the_all_reduce_with_replicas_made_equal(front, optimizer):
+    """error_feedback="model": between compressed steps each rank's parameters hold what it has not sent; the
+    first all-reduce step applies the mean of what they held and leaves identical replicas and states."""
+    a, b = run_local(_agree_and_switch, 2, args=(front, optimizer, "model"), timeout=180)
+    assert a["modes"] == b["modes"] and a["modes"][:14] == [COMPRESSED] * 5 + [ALLREDUCE] * 9
+    assert a["choice_after"] == COMPRESSED and a["choice_last"] == ALLREDUCE
+    assert not np.array_equal(a["own_params_at_compressed"], b["own_params_at_compressed"])
+    assert np.array_equal(a["params"], b["params"])
+    for x, y in zip(a["states"], b["states"]):
+        assert np.array_equal(x, y)
     assert a["residual_max"] == 0.0
 
 

@@ -72,6 +72,28 @@ def _cluster_job(ckdir, opts):
     return cluster.run(train_job, opts, checkpoint_dir=ckdir, checkpoint_every=10)
 
 
+def _resumed_exactly(tmp_path, opts, at=40, steps=46):
+    full = run_local(_cluster_job, 2, (str(tmp_path / "full"), opts), timeout=300)[0]
+    shutil.copytree(tmp_path / "full", tmp_path / "resume")
+    kept = list_checkpoints(str(tmp_path / "resume"))
+    assert os.path.basename(kept[-1]) == f"ckpt-{at:09d}.pt"
+    for p in kept[:-1]:
+        os.remove(p)                                                           # keep that one only
+    again = run_local(_cluster_job, 2, (str(tmp_path / "resume"), opts), timeout=300)[0]
+    assert len(again["steps"]) == steps - at
+    assert [h["loss"] for h in again["history"]] == [h["loss"] for h in full["history"]]
+    assert again["history"][-1]["val_accuracy"] == full["history"][-1]["val_accuracy"]
+    return full
+
+
+def test_shared_updates_held_back_in_each_model_resume_exactly(tmp_path):
+    # --error-feedback model: the ranks' models differ by what each holds back; the checkpoint keeps each one's
+    opts = {"epochs": 2, "progress": False, "mode": "shared_gradients", "error_feedback": "model",
+            "compression": "topk_sign:0.05", "link": "off"}
+    full = _resumed_exactly(tmp_path, opts)
+    assert 0 < full["history"][-1]["bytes_sent"] < full["history"][-1]["dense_bytes"] / 10
+
+
 @pytest.mark.parametrize("mode, streaming", [("diloco", {}), ("sparse_local", {}),
                                              ("diloco", {"fragments": 2, "overlap": 1}),
                                              ("sparse_local", {"fragments": 2, "overlap": 1})],

@@ -569,3 +569,124 @@ def _replica_check():
 @pytest.mark.slow
 def test_verify_replicas_names_the_parameter_that_differs():
     assert run_local(_replica_check, 2, timeout=60) == [("2.bias", [1])] * 2
+
+
+# ------------------------------------------------------- error_feedback="model": what waits, in each rank's model
+def _own_model_run(front, steps, start=0, ckpt=None, save_at=None, bad=None, nonfinite="raise"):
+    """Adam's updates shared every step as signs of the top 5%, what waits kept in each rank's parameters."""
+    warnings.simplefilter("ignore")
+    r = dist.get_rank()
+    model = _net()
+    inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    kw = dict(compression=TopK(0.05, values="sign"), link=None, bucket_cap_mb=0.004, error_feedback="model",
+              nonfinite=nonfinite)
+    if front == "hook":
+        net = DDP(model, bucket_cap_mb=0.004)
+        state = ThresholdState(optimizer=inner, **kw)
+        net.register_comm_hook(state, threshold_hook)
+        opt, objects = inner, (model, inner, state)
+    else:
+        net, state = model, SharedOptimizer(inner, **kw)
+        opt, objects = state, (model, state)
+    if ckpt is not None:
+        restore(ckpt[r], *objects)
+    out = {"skipped": []}
+    for step in range(start, steps):
+        if step == save_at:
+            out["saved"] = snapshot(*objects)
+        x, y = _batch(r, step)
+        if bad == (step, r):
+            x[0, 0] = float("nan")
+        before = (_flat(model), [b.residual.clone() for b in state.sharing.buckets])
+        loss = F.cross_entropy(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if state.step_skipped:
+            out["skipped"].append((step, np.array_equal(before[0], _flat(model)),
+                                   all(torch.equal(a, b.residual) for a, b in zip(before[1], state.sharing.buckets))))
+    bs = state.sharing.buckets
+    out["params"] = _flat(model)
+    out["mean result"] = torch.cat([b.snapshot for b in bs]).numpy().copy()
+    out["own is mean minus residual"] = all(
+        torch.equal(torch.cat([p.detach().reshape(-1) for p in b.params]), b.snapshot - b.residual) for b in bs)
+    out["held back"] = float(sum(b.residual.abs().sum() for b in bs))
+    out["residuals"] = [b.residual.clone().numpy() for b in bs]
+    out["ratio"] = state.sharing.stats.bytes_sent / state.sharing.stats.dense_bytes
+    state.merge()
+    verify_replicas(model)                   # raises where the ranks' parameters differ
+    out["merged"] = _flat(model)
+    out["held back after merge"] = float(sum(b.residual.abs().sum() for b in bs))
+    return out
+
+
+def _own_model_fronts(steps):
+    return [_own_model_run(front, steps) for front in ("hook", "optimizer")]
+
+
+@pytest.mark.slow
+def test_model_feedback_holds_back_in_each_model_and_merge_makes_replicas_identical():
+    res = run_local(_own_model_fronts, 2, (30,), timeout=300)
+    for i in range(2):
+        a, b = res[0][i], res[1][i]
+        assert not np.array_equal(a["params"], b["params"])        # each rank holds its own unsent part
+        assert np.array_equal(a["mean result"], b["mean result"])  # the mean result is the same everywhere
+        assert a["own is mean minus residual"] and b["own is mean minus residual"]
+        assert a["held back"] > 0 and a["ratio"] < 0.5
+        assert np.array_equal(a["merged"], b["merged"]) and a["held back after merge"] == 0.0
+        assert not np.array_equal(a["merged"], a["mean result"])   # merge applied what was held back
+    # the DDP hook and SharedOptimizer are one core: the same bits
+    assert np.array_equal(res[0][0]["params"], res[0][1]["params"])
+    assert np.array_equal(res[0][0]["merged"], res[0][1]["merged"])
+
+
+def _own_model_resume(steps, save_at):
+    return [_own_model_run(front, steps, save_at=save_at) for front in ("hook", "optimizer")]
+
+
+def _own_model_resumed(steps, start, ckpts):
+    return [_own_model_run(front, steps, start=start, ckpt=ckpts[i]) for i, front in enumerate(("hook", "optimizer"))]
+
+
+@pytest.mark.slow
+def test_model_feedback_resumes_exactly():
+    full = run_local(_own_model_resume, 2, (30, 12), timeout=300)
+    ckpts = [[r[i]["saved"] for r in full] for i in range(2)]
+    resumed = run_local(_own_model_resumed, 2, (30, 12, ckpts), timeout=300)
+    for a, b in zip(full, resumed):
+        for i in range(2):
+            assert np.array_equal(a[i]["params"], b[i]["params"])
+            assert np.array_equal(a[i]["mean result"], b[i]["mean result"])
+            assert all(np.array_equal(u, v) for u, v in zip(a[i]["residuals"], b[i]["residuals"]))
+
+
+def _own_model_skip():
+    return [_own_model_run(front, 10, bad=(4, 1), nonfinite="skip") for front in ("hook", "optimizer")]
+
+
+@pytest.mark.slow
+def test_model_feedback_skips_a_nonfinite_step_with_state_unchanged():
+    for rank in run_local(_own_model_skip, 2, timeout=300):
+        for r in rank:
+            assert r["skipped"] == [(4, True, True)]
+            assert r["own is mean minus residual"]
+
+
+def test_model_feedback_is_checked():
+    w = nn.Parameter(torch.zeros(3))
+    adam = torch.optim.Adam([w], lr=0.1)
+    with pytest.raises(ValueError, match="updates shared"):
+        SharedOptimizer(torch.optim.SGD([w], lr=0.1), mode="gradients", error_feedback="model")
+    with pytest.raises(ValueError, match="updates shared"):
+        ThresholdState(error_feedback="model")
+    with pytest.raises(ValueError, match="delay=0"):
+        SharedOptimizer(adam, error_feedback="model", delay=1)
+    with pytest.raises(ValueError, match="'buffer' or 'model'"):
+        SharedOptimizer(adam, error_feedback="params")
+    own = SharedOptimizer(adam, error_feedback="model")
+    assert own.sharing.link is not None and own.sharing.masking is None    # link-aware; no momentum masking
+    assert isinstance(own.compression, TopK) and (own.compression.density, own.compression.values) == (0.01, "sign")
+    sgd_own = SharedOptimizer(torch.optim.SGD([w], lr=0.1, momentum=0.9), error_feedback="model")
+    assert sgd_own.compression.values == "sign" and sgd_own.sharing.masking is None
+    assert SharedOptimizer(adam, error_feedback="model", compression=TopK(0.01)).sharing.masking is None
+    assert SharedOptimizer(adam, compression=TopK(0.01)).sharing.masking is not None

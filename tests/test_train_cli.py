@@ -78,6 +78,7 @@ def test_bad_option_combinations_are_rejected(capsys):
     assert main(["train", "--mode", "diloco", "--frequency", "4", "--fragments", "2", "--overlap", "3"]) == 2
     assert main(["train", "--mode", "averaging", "--error-feedback", "model"]) == 2   # needs local steps
     assert main(["train", "--mode", "diloco", "--error-feedback", "model"]) == 2       # ... and a compressed round
+    assert main(["train", "--share", "gradients", "--error-feedback", "model"]) == 2   # shared updates only
 
 
 def test_compression_specs_and_config():
@@ -98,6 +99,9 @@ def test_compression_specs_and_config():
     cfg = build_config({"data": "mnist:/somewhere", "mode": "averaging", "optimizer": "sgd", "lr": 0.1})
     assert cfg.model.image_size == 28 and cfg.mode == "averaging" and cfg.optimizer[1]["momentum"] == 0.9
     assert build_config({}).epochs == 12
+    assert build_config({}).error_feedback == "buffer"
+    own = build_config({"error_feedback": "model", "compression": "topk_sign:0.01"})
+    assert own.mode == "shared_gradients" and own.error_feedback == "model" and own.compression.density == 0.01
 
 
 def test_local_steps_modes_build_parameter_averaging_options():

@@ -262,9 +262,19 @@ ADAPTIVE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim
 _warned: set = set()
 
 
-def for_optimizer(optimizer: Optional[torch.optim.Optimizer]) -> Compression:
+# With what waits kept in each rank's model (error_feedback="model"), the top 1% as signs for every optimizer:
+# 3 seeds, 10 workloads (SGD, Adam, AdamW; CNNs, an MLP, a transformer and an LSTM LM, regressions): within 0.23
+# points of DDP's accuracy and 0.8% of its loss at 228-286x fewer bytes (README, "Training quality").
+OWN_MODEL_DEFAULT = dict(density=0.01, values="sign")
+
+
+def for_optimizer(optimizer: Optional[torch.optim.Optimizer], own_models: bool = False) -> Compression:
     """The default for ``optimizer``: TopK() for SGD-like ones, Ternary() for adaptive ones and, after a
-    warning (once per class), for classes gradshare does not know. None (no optimizer known): TopK()."""
+    warning (once per class), for classes gradshare does not know. None (no optimizer known): TopK().
+    ``own_models`` (sharing updates with error_feedback="model"): TopK(0.01, values="sign") for any optimizer,
+    whose gradients see what waits, so Adam's steps of similar size no longer need every element sent."""
+    if own_models:
+        return TopK(**OWN_MODEL_DEFAULT)
     if optimizer is None or isinstance(optimizer, SGD_LIKE):
         return TopK()
     if isinstance(optimizer, ADAPTIVE):

@@ -105,8 +105,15 @@ class ThresholdState(SharingFront):
             momentum (Adam's first moment) is zeroed where an element that waited in the residual is sent the
             other way from its last send: the residual's stale push, which otherwise swings the waiting elements
             where gradients carry little noise (regression) and stalls the loss (gradshare.momentum_masking).
-            None (default): SGD with any compression that holds something back, Adam's kin with top-k; False:
-            off; True: those optimizers with any compression, refused where it cannot apply.
+            None (default): SGD with any compression that holds something back, Adam's kin with top-k, where
+            what waits is in the residual (``error_feedback="buffer"``); False: off; True: those optimizers with
+            any compression, refused where it cannot apply.
+        error_feedback: with ``optimizer=``, where what a step does not send waits: "buffer" (default) in
+            gradshare's residual, every rank's parameters the same mean result; "model": in each rank's own
+            parameters (the mean result minus what it holds back), so that its next gradient is taken where
+            its own progress brought it and its optimizer does not push again what waits. With Adam it keeps
+            the quality of the default at several times fewer bytes (README, "Training quality"); the ranks'
+            parameters differ by what each holds back until ``state.merge()`` or a link-aware all-reduce step.
         threshold: the former name of ``compression`` (deprecated).
     """
 
@@ -116,7 +123,7 @@ class ThresholdState(SharingFront):
                  stats: Optional[Statistics] = None, momentum: Optional[float] = None,
                  optimizer: Any = None, bucket_cap_mb: float = 25.0,
                  link: Any = "auto", scaler: Optional[Any] = None, delay: int = 0,
-                 momentum_masking: Optional[bool] = None):
+                 momentum_masking: Optional[bool] = None, error_feedback: str = "buffer"):
         optimizers = _optimizers(optimizer)
         optimizer = optimizers[0] if optimizers else None
         if len(optimizers) > 1 and delay:
@@ -128,7 +135,8 @@ class ThresholdState(SharingFront):
         clip = ResidualClipping() if clipping is _DEFAULT else clipping
         self._config = {"compression": compression, "clipping": clip, "nonfinite": nonfinite,
                         "average": average, "fallback": fallback, "momentum": momentum,
-                        "bucket_cap_mb": bucket_cap_mb, "link": link, "delay": delay}
+                        "bucket_cap_mb": bucket_cap_mb, "link": link, "delay": delay,
+                        "error_feedback": error_feedback}
         # Gradients mode under a GradScaler: an overflow is the scaler's to handle (every rank skips it).
         self.scaler = scaler if optimizer is None else None
         if self.scaler is not None and not callable(getattr(self.scaler, "get_scale", None)):
@@ -139,7 +147,7 @@ class ThresholdState(SharingFront):
                                stats=stats, momentum=momentum, clipping=clip,
                                mode="updates" if optimizer is not None else "gradients", link=link, delay=delay,
                                momentum_masking=momentum_masking and (masking.applies(optimizer) or not any(
-                                   masking.applies(o) for o in optimizers)))
+                                   masking.applies(o) for o in optimizers)), error_feedback=error_feedback)
         self.optimizer = optimizer                 # the first optimizer given: its core decides the path
         self.optimizers = optimizers
         self.sharings: List[Sharing] = [self.sharing]
@@ -164,7 +172,7 @@ class ThresholdState(SharingFront):
             sh = self.sharing if i == 0 else Sharing(
                 compression, optimizer=opt, process_group=process_group, reduce="mean" if average else "sum",
                 nonfinite=nonfinite, fallback=fallback, stats=self.sharing.stats, clipping=clip, mode="updates",
-                link=None, momentum_masking=momentum_masking and masking.applies(opt))
+                link=None, momentum_masking=momentum_masking and masking.applies(opt), error_feedback=error_feedback)
             sh.build((p for g in opt.param_groups for p in g["params"]), bucket_cap_mb)
             if i:
                 first = sum(len(c.buckets) for c in self.sharings)
@@ -446,7 +454,8 @@ class ThresholdState(SharingFront):
         cfg = d["config"]
         self.__init__(None, cfg["compression"], cfg["clipping"], cfg["nonfinite"], average=cfg["average"],
                       fallback=cfg["fallback"], stats=Statistics(**d["stats_config"]), momentum=cfg["momentum"],
-                      bucket_cap_mb=cfg["bucket_cap_mb"], link=cfg.get("link", "auto"))
+                      bucket_cap_mb=cfg["bucket_cap_mb"], link=cfg.get("link", "auto"),
+                      error_feedback=cfg.get("error_feedback", "buffer"))
         if d.get("state") is not None:
             self.load_state_dict(d["state"])
 

@@ -70,7 +70,7 @@ class TrainConfig:
     "averaging" (ParameterAveraging every ``frequency`` steps; with ``outer_optimizer`` (a spec as
     for ``optimizer``) and/or ``compression`` only the pseudo-gradient is shared, with ``residual_decay`` and
     ``error_feedback``:
-    DiLoCo and SparseLoCo, gradshare.averaging; ``fragments`` and ``overlap``: its streaming rounds). ``devices``: device i % len
+    DiLoCo and SparseLoCo, gradshare.averaging; ``error_feedback`` also for shared updates, gradshare.sharing; ``fragments`` and ``overlap``: its streaming rounds). ``devices``: device i % len
     for rank i (default CPU). ``on_step(state)`` runs after every step on every rank (checkpointing);
     ``resume`` is a dict from :meth:`TrainState.state_dict` or a function rank -> such a dict.
     ``train_data``: anything gradshare.data.as_dataset takes (a Dataset, a DataLoader, ready-made batches,
@@ -194,6 +194,8 @@ def _build_trainer(cfg: TrainConfig, model: nn.Module):
     from gradshare.optim import SharedOptimizer
 
     kwargs = {"mode": cfg.shared, "compression": copy.deepcopy(cfg.compression), "link": copy.deepcopy(cfg.link)}
+    if cfg.error_feedback != "buffer":
+        kwargs["error_feedback"] = cfg.error_feedback
     if cfg.clipping != "default":
         kwargs["clipping"] = copy.deepcopy(cfg.clipping)
     # Replicas must start equal: the sharing keeps them equal only if they are.
@@ -327,7 +329,9 @@ def _position(ts: TrainState) -> Dict[str, Any]:
 
 def _save_to_context(ts: TrainState, ctx: Any) -> None:
     mine = {"optimizer": ts.optimizer, "epoch_totals": dict(ts.epoch_totals)}
-    if isinstance(ts.optimizer, ParameterAveraging):   # replicas differ between rounds: each rank keeps its own
+    # replicas differ between rounds (local steps) or by what each holds back (error_feedback="model"):
+    # each rank keeps its own model
+    if isinstance(ts.optimizer, ParameterAveraging) or ts.optimizer.sharing.own_models:
         mine["model"] = ts.model
     ctx.save(ts.step, {"model": ts.model, "position": _position(ts)}, mine)
 
@@ -406,6 +410,8 @@ def _end_epoch(cfg: TrainConfig, ts: TrainState, val_ds, device, seconds: float)
     opt = ts.optimizer
     if isinstance(opt, ParameterAveraging) and not opt.last_averaged:
         opt.average()  # the epoch ends with replicas in agreement
+    elif not isinstance(opt, ParameterAveraging):
+        opt.merge()    # error_feedback="model": what each rank holds back goes out (nothing to do otherwise)
     sent, dense = comm_totals(opt)
     t = ts.epoch_totals
     sums = _allreduce_sum([t["loss_sum"], t["correct"], t["samples"], sent - t["sent0"], dense - t["dense0"]],

@@ -88,8 +88,14 @@ class SharedOptimizer(SharingFront, WrappedOptimizer, Joinable):
             (Adam's first moment) is zeroed where an element that waited in the residual is sent the other way
             from its last send: the residual's stale push, which otherwise swings the waiting elements where
             gradients carry little noise (regression) and stalls the loss (gradshare.momentum_masking). None
-            (default): SGD with any compression that holds something back, Adam's kin with top-k; False: off;
-            True: those optimizers with any compression, refused where it cannot apply.
+            (default): SGD with any compression that holds something back, Adam's kin with top-k, where what
+            waits is in the residual (``error_feedback="buffer"``); False: off; True: those optimizers with any
+            compression, refused where it cannot apply.
+        error_feedback: "updates" mode: where what a step does not send waits: "buffer" (default) in
+            gradshare's residual, every rank's parameters the same mean result; "model": in each rank's own
+            parameters (the mean result minus what it holds back), so that its next gradient is taken where its
+            own progress brought it (gradshare.sharing). The ranks' parameters differ by what each holds back
+            until ``opt.merge()`` or a link-aware all-reduce step.
         threshold: the former name of ``compression`` (deprecated).
 
     It is a torch.optim.Optimizer over the inner optimizer's ``param_groups`` and ``state`` (the same objects):
@@ -104,7 +110,7 @@ class SharedOptimizer(SharingFront, WrappedOptimizer, Joinable):
                  clipping: Any = _DEFAULT, process_group=None, nonfinite: str = "raise", *, reduce: str = "mean",
                  bucket_cap_mb: float = 25.0, fallback: str = "auto", stats: Optional[Statistics] = None,
                  momentum: Optional[float] = None, link: Any = "auto", delay: int = 0,
-                 momentum_masking: Optional[bool] = None):
+                 momentum_masking: Optional[bool] = None, error_feedback: str = "buffer"):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
         if momentum is not None:
@@ -125,7 +131,8 @@ class SharedOptimizer(SharingFront, WrappedOptimizer, Joinable):
         clip = ResidualClipping() if clipping is _DEFAULT else clipping
         self.sharing = Sharing(compression, optimizer=optimizer, process_group=process_group, reduce=reduce,
                                nonfinite=nonfinite, fallback=fallback, stats=stats, momentum=momentum,
-                               clipping=clip, mode=mode, link=link, delay=delay, momentum_masking=momentum_masking)
+                               clipping=clip, mode=mode, link=link, delay=delay, momentum_masking=momentum_masking,
+                               error_feedback=error_feedback)
         self.sharing.build((p for g in optimizer.param_groups for p in g["params"]), bucket_cap_mb)
 
     # -- gradshare state -------------------------------------------------------------------------------

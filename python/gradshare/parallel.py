@@ -80,7 +80,8 @@ class ParallelWrapper:
         outer_optimizer: averaging mode: the outer optimizer, given like ``optimizer`` (a picklable factory
             or ``(class, kwargs)``), e.g. ``(torch.optim.SGD, dict(lr=0.7, momentum=0.9, nesterov=True))``.
         residual_decay: averaging mode with ``compression``: the pseudo-gradient's error-feedback decay.
-        error_feedback: averaging mode with ``compression``: "buffer" or "model" (ParameterAveraging's).
+        error_feedback: "buffer" or "model": averaging mode with ``compression``, ParameterAveraging's; sharing
+            updates (shared_gradients), SharedOptimizer's (what a step does not send kept in each worker's model).
         fragments, overlap: averaging mode with a pseudo-gradient: streaming rounds (ParameterAveraging's).
         prefetch_buffer: batches each worker prepares ahead in a background thread.
         compression: what sharing sends (gradshare.compression; default: chosen for the optimizer); in

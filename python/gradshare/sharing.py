@@ -21,7 +21,9 @@ What is shared each step:
   before the optimizer runs (the same on every rank); what a DDP hook does when it cannot see the optimizer.
 
 Error feedback: the residual holds what was not sent yet; the policy (gradshare.compression) decides what
-to send of residual + update. Non-finite values (``nonfinite``): "raise" stops every rank with
+to send of residual + update. With ``error_feedback="model"`` (sharing updates) each rank's parameters are the
+mean result minus its residual, so that its gradients see what waits (:class:`Sharing`'s argument; the ranks'
+parameters then differ until :meth:`Sharing.merge` or a link-aware all-reduce step). Non-finite values (``nonfinite``): "raise" stops every rank with
 NonFiniteStepError; "skip" drops the step on every rank.
 
 All or nothing: a step either completes on every rank or changes no state. Whatever stops it (a
@@ -63,7 +65,7 @@ import torch.distributed as dist
 
 from gradshare import comm, momentum_masking as masking, optimizer_state, second_moment
 from gradshare.comm import ExchangeResult, NonFiniteStepError, exchange_async
-from gradshare.compression import Compression, as_compression, for_optimizer
+from gradshare.compression import Compression, Dense, as_compression, for_optimizer
 from gradshare.costmodel import Link, ring_allreduce_bytes
 from gradshare.link import ALLREDUCE, LinkAware
 from gradshare.stats import Statistics, StepRecord, residual_norm
@@ -104,6 +106,7 @@ class Bucket:
         self.mean: Optional[torch.Tensor] = None              # delay=1: the decoded mean still to be applied
         self.launched: Optional[torch.Tensor] = None          # an overlapped round: the parameters at its launch
         self.last_sent: Optional[torch.Tensor] = None         # int8 per element: gradshare.momentum_masking
+        self.start_held = False                               # error_feedback="model", updates: snapshot is the mean result
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -228,6 +231,15 @@ class SharingFront:
         """With ``delay=1``: applies the update still travelling now, on every rank (Sharing.flush)."""
         return self.sharing.flush()
 
+    def merge(self) -> bool:
+        """With ``error_feedback="model"``: every rank sends what it still holds back, uncompressed, so that the
+        ranks' parameters become the same (Sharing.merge): before an evaluation that compares ranks, a
+        checkpoint of one rank's model, or at the end of training. A collective; nothing to do otherwise."""
+        ok = True
+        for sh in getattr(self, "sharings", [self.sharing]):
+            ok = sh.merge() and ok
+        return ok
+
 
 class Sharing:
     """Error-feedback sharing of a set of buckets over a process group; one home for a bucket's step.
@@ -253,17 +265,19 @@ class Sharing:
             compression, mean reduce and fallback; None: always compress; a LinkAware: use it (updates).
         delay: 0 (default) or 1: each step's mean update applied at the end of the next step, its exchange
             overlapping that step (module docstring). Sharing updates only; it compresses every step (no link).
-        error_feedback: pseudo-gradients (local steps) only: where what a round does not send waits.
-            "buffer" (default): in the bucket's residual, each rank's model set to the round's mean result
-            (SparseLoCo's); "model": in the rank's own model, which stays the round's mean result minus what
-            the rank has not sent yet, so its next inner steps start from its own progress instead of
-            repeating it (:meth:`residual_into_params`; the mean result, the same on every rank, is the
-            buckets' ``snapshot``).
+        error_feedback: where what a step (updates) or a round (pseudo-gradients) does not send waits.
+            "buffer" (default): in the bucket's residual, each rank's model set to the mean result, identical
+            on every rank (SparseLoCo's for rounds); "model": in the rank's own model, which stays the mean
+            result minus what the rank has not sent yet, so its next gradients are taken where its own
+            progress brought it and its optimizer does not push again what waits (:meth:`residual_into_params`;
+            the mean result, the same on every rank, is the buckets' ``snapshot``). Sharing updates every step
+            this is Qsparse-local-SGD's error feedback with one local step: the ranks' parameters differ by
+            what each holds back until :meth:`merge` or a link-aware all-reduce step (:meth:`make_consistent`).
         momentum_masking: sharing the updates of torch.optim.SGD or Adam's kin (Adam, AdamW, NAdam, RAdam,
             Adamax): zero its momentum (SGD's buffer, Adam's first moment) where an element that waited in the
             residual is sent the other way from its last send (gradshare.momentum_masking). None (default):
-            where it applies by default (updates, ``delay=0``; SGD with a compression that holds something back,
-            Adam's kin with top-k); True: for those optimizers with any compression, refused where it cannot
+            where it applies by default (updates, ``delay=0``, ``error_feedback="buffer"``; SGD with a compression
+            that holds something back, Adam's kin with top-k); True: for those optimizers with any compression, refused where it cannot
             apply; False: off.
     """
 
@@ -282,10 +296,13 @@ class Sharing:
             raise ValueError(f"residual_decay: expected a value in (0, 1], got {residual_decay}")
         if error_feedback not in ERROR_FEEDBACK:
             raise ValueError(f"error_feedback: expected 'buffer' or 'model', got {error_feedback!r}")
-        if error_feedback == "model" and mode != "pseudo-gradient":
-            raise ValueError("error_feedback='model' keeps what a round did not send in each rank's own model: it "
-                             "needs local steps (mode=\"pseudo-gradient\", gradshare.ParameterAveraging), where the "
-                             "ranks' models differ between rounds anyway")
+        if error_feedback == "model" and mode == "gradients":
+            raise ValueError("error_feedback='model' keeps what a step did not send in each rank's own model: it "
+                             "needs the optimizer's updates shared (optimizer=, SharedOptimizer's mode=\"updates\") "
+                             "or local steps (gradshare.ParameterAveraging); gradients are averaged before the "
+                             "optimizer steps")
+        if error_feedback == "model" and delay:
+            raise ValueError("error_feedback='model' applies each step's mean at once: use delay=0")
         if isinstance(delay, bool) or delay not in (0, 1):
             raise ValueError(f"delay: expected 0 or 1 (steps an update waits before it is applied), got {delay!r}")
         if delay and mode != "updates":
@@ -308,6 +325,9 @@ class Sharing:
         self._arrived: Optional[bool] = None   # delay=1: they were collected; True: each bucket's ``mean`` is to apply
         self.residual_decay = float(residual_decay)
         self.error_feedback = error_feedback
+        # Updates shared every step with what waits kept in each rank's model: the snapshot (the mean result,
+        # the same on every rank) is held from one step's end to the next step's start.
+        self.own_models = error_feedback == "model" and mode == "updates"
         self.optimizer = optimizer
         # Sharing an adaptive optimizer's updates (Adam's kin, RMSprop, Adagrad, Adadelta, Adamax, Adafactor):
         # each rank's step rescaled to the global batch's second moment (gradshare.second_moment); the steps
@@ -315,10 +335,13 @@ class Sharing:
         self.global_second_moment = mode == "updates" and second_moment.applies(optimizer)
         self.rescale = second_moment.GlobalBatchStep(optimizer if self.global_second_moment else None)
         chosen = as_compression(compression, clipping)
-        self.compression = chosen or for_optimizer(optimizer)
+        self.compression = chosen or for_optimizer(optimizer, own_models=self.own_models)
         # The optimizer's momentum masked where an element that waited swung back (gradshare.momentum_masking):
-        # by default where elements wait long (with Dense nothing waits, so nothing would be masked).
-        wanted = (mode == "updates" and not delay and masking.by_default(optimizer, self.compression)
+        # by default where elements wait long (with Dense nothing waits, so nothing would be masked) in the
+        # residual; not where they wait in the rank's model, whose gradients already see them (on the AdamW LM,
+        # seed 0, the top 3% as signs ended 2.2168 with it, 2.1979 without: bench/results/own_model_tried).
+        wanted = (mode == "updates" and not delay and not self.own_models
+                  and masking.by_default(optimizer, self.compression)
                   if momentum_masking is None else momentum_masking)
         self.masking = masking.MomentumMasking(optimizer) if wanted else None
         self.process_group = process_group
@@ -545,9 +568,14 @@ class Sharing:
                                  self.rescale)
         self._consistent = False           # each rank's optimizer now steps on its own gradient
         for b in (self.buckets if buckets is None else buckets):
+            if self.own_models and b.start_held:
+                continue                   # the last step's mean result; the parameters are it minus the residual
             if b.snapshot is None:
                 b.snapshot = torch.empty(b.n, dtype=torch.float32, device=b.device)
             b.gather_params(b.snapshot)
+            if self.own_models:            # taken as the mean result (a first step, a checkpoint without one)
+                b.start_held = True
+                self.residual_into_params([b])
 
     def share_updates(self, outer: Optional[torch.optim.Optimizer] = None, share_grads: bool = False,
                       buckets: Optional[Sequence[Bucket]] = None, joined: bool = False) -> bool:
@@ -578,6 +606,10 @@ class Sharing:
         if ok and watched:
             self.masking.after(watched, results)
         self._apply_mean(bs, [b.flat for b in bs], ok, outer)
+        if self.own_models:                      # the mean result, then each rank's model minus what it kept
+            for b in bs:
+                b.gather_params(b.snapshot)
+            self.residual_into_params(bs)
         self.link_step_ended()
         return ok
 
@@ -610,7 +642,7 @@ class Sharing:
             delta = b.change(b.flat)                      # before - after: this rank's update
             if self.error_feedback == "model":            # the rank's own start is snapshot - residual
                 delta.sub_(b.residual)
-            if groups is not None:
+            if groups is not None:                        # this rank's own step, made the global batch's
                 self._to_global_batch(b, delta, groups)
             out.append(delta)
         return out
@@ -660,6 +692,25 @@ class Sharing:
             for b in self.buckets:
                 b.set_params(b.gather_params(b.flat).sub_(b.mean))
         return arrived is not False
+
+    @torch.no_grad()
+    def merge(self) -> bool:
+        """``error_feedback="model"`` sharing updates: one exchange in which every rank sends its whole residual
+        (Dense, float32) and no step of its own, so that every rank's parameters become the same mean result
+        and every residual zero, as if each rank had sent all it held back. A collective: every rank calls it
+        at the same point. Nothing to do (True) otherwise. False when the exchange was skipped (a non-finite
+        residual with nonfinite="skip"; nothing changed)."""
+        if not self.own_models or self.world_size <= 1 or not self.buckets:
+            return True
+        self.begin_updates()
+        kept = [b.compression for b in self.buckets]
+        for b in self.buckets:
+            b.compression = Dense()
+        try:
+            return self.share_updates(joined=True)
+        finally:
+            for b, c in zip(self.buckets, kept):
+                b.compression = c
 
     @torch.no_grad()
     def _to_global_batch(self, b: Bucket, delta: torch.Tensor, groups: Dict[int, Dict[str, Any]]) -> None:
@@ -847,13 +898,16 @@ class Sharing:
         gradient that RMSprop's, Adagrad's and Adadelta's rescaling keeps follows that gradient too
         (gradshare.second_moment.GlobalBatchStep), ready for the next compressed steps."""
         self.make_consistent(optimizer)
+        for b in self.buckets:             # error_feedback="model": the next compressed step starts from here
+            b.start_held = False
         self.rescale.observe((p for b in self.buckets for p in b.params), self.world_size)
 
     @torch.no_grad()
     def make_consistent(self, optimizer: torch.optim.Optimizer) -> None:
         """Before the optimizer steps on an all-reduced gradient: the same optimizer state and parameters on
         every rank. After compressed steps each rank's optimizer state is its own and the residuals hold
-        what was not sent yet; one all-reduce per bucket applies the mean residual to the parameters and
+        what was not sent yet (``error_feedback="model"``: in each rank's parameters, which are put back to the
+        mean result first); one all-reduce per bucket applies the mean residual to the parameters and
         averages the state tensors shaped like a parameter (momenta, Adam's moments; a rescaled optimizer's
         second moment as each rank's estimate of the global batch's, gradshare.second_moment). Nothing is sent
         when the states are known equal already, or empty on every rank (a fresh start: one 8-byte all-reduce
@@ -874,7 +928,10 @@ class Sharing:
             states = list(second_moment.to_global(optimizer, b.params, world, self.rescale))
             flat = torch.cat([b.residual] + [src.detach().reshape(-1).float() for src, _ in states])
             dist.all_reduce(flat.div_(world), group=self.process_group)
-            b.gather_params(b.flat).sub_(flat[:b.n])
+            if self.own_models and b.start_held:
+                torch.sub(b.snapshot, flat[:b.n], out=b.flat)
+            else:
+                b.gather_params(b.flat).sub_(flat[:b.n])
             b.set_params(b.flat)
             b.residual.zero_()
             off = b.n
@@ -927,6 +984,9 @@ class Sharing:
                              "last sent": None if b.last_sent is None else b.last_sent.detach().cpu().clone(),
                              "compression": b.compression.state_dict()} for b in self.buckets],
                 "link": None if self.link is None else self.link.state_dict(),
+                # error_feedback="model", updates: the mean result each rank's parameters are minus its residual
+                "starts": ([None if not b.start_held else b.snapshot.detach().cpu().clone() for b in self.buckets]
+                           if self.own_models else None),
                 "states equal": self._consistent, "delay": self.delay, "late mean": late,
                 "mean gradient": self.rescale.state_dict()}
 
@@ -945,9 +1005,15 @@ class Sharing:
         if len(saved) != len(self.buckets):
             raise ValueError(f"load_state_dict: the checkpoint has {len(saved)} buckets, this one {len(self.buckets)} "
                              "(the same parameters and bucket size are needed)")
-        for b, s in zip(self.buckets, saved):
+        starts = state.get("starts") if self.own_models else None
+        for i, (b, s) in enumerate(zip(self.buckets, saved)):
             if int(s["n"]) != b.n:
                 raise ValueError(f"load_state_dict: bucket {b.index} has {b.n} elements, the checkpoint {s['n']}")
+            start = starts[i] if starts is not None and i < len(starts) else None
+            if start is not None and (not torch.is_tensor(start) or start.numel() != b.n):
+                held = f"{start.numel()} elements" if torch.is_tensor(start) else type(start).__name__
+                raise ValueError(f"load_state_dict: bucket {b.index}'s mean result should be a tensor of {b.n} "
+                                 f"elements, the checkpoint holds {held}")
             last = s.get("last sent")
             if last is not None and (not torch.is_tensor(last) or last.numel() != b.n):
                 held = f"{last.numel()} elements" if torch.is_tensor(last) else type(last).__name__
@@ -962,6 +1028,13 @@ class Sharing:
                     b.velocity.copy_(s["velocity"])
             last = s.get("last sent")
             b.last_sent = None if last is None else last.reshape(-1).to(device=b.device, dtype=torch.int8).clone()
+        for i, b in enumerate(self.buckets):
+            start = starts[i] if starts is not None and i < len(starts) else None
+            b.start_held = start is not None   # without one the parameters at the next step are taken as it
+            if start is not None:
+                if b.snapshot is None:
+                    b.snapshot = torch.empty(b.n, dtype=torch.float32, device=b.device)
+                b.snapshot.copy_(start.reshape(-1))
         self.step = int(state["step"])
         self.stats.load_state_dict(state["stats"])
         self.step_skipped = False

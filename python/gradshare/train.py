@@ -134,9 +134,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"sparse_local: the error-feedback decay (default: {SPARSE_LOCAL_DECAY} with --error-feedback "
                         "buffer, 1 with model)")
     p.add_argument("--error-feedback", choices=["buffer", "model"],
-                   help="sparse_local: where what a round does not send waits: in an error-feedback buffer, every "
-                        "model set to the round's mean, or in each worker's own model (default: "
-                        f"{SPARSE_LOCAL_ERROR_FEEDBACK})")
+                   help="sparse_local, shared_gradients (--share updates): where what a round or step does not send "
+                        "waits: in an error-feedback buffer, every model set to the mean, or in each worker's own "
+                        f"model (default: {SPARSE_LOCAL_ERROR_FEEDBACK} for sparse_local, buffer for shared_gradients)")
     p.add_argument("--fragments", type=argtypes.integer(1), metavar="F",
                    help="diloco, sparse_local: rounds of F fragments of the model, staggered over the period "
                         "(streaming; default 1)")
@@ -243,6 +243,7 @@ def build_config(opts: Dict[str, Any]) -> TrainConfig:
     elif mode == "shared_gradients":
         extra["compression"] = parse_compression(opts.get("compression", opts.get("threshold", "auto")))
         extra["link"] = None if opts.get("link", "auto") == "off" else "auto"
+        extra["error_feedback"] = opts.get("error_feedback") or "buffer"
     return TrainConfig(model=model, optimizer=optimizer, train_data=data, validation_data=data,
                        epochs=int(opts.get("epochs", 12)), batch_size=int(opts.get("batch_size", 32)),
                        shared=opts.get("share", "updates"),
@@ -340,9 +341,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.mode not in LOCAL_STEPS and (args.outer_lr is not None or args.outer_momentum is not None
                                          or args.residual_decay is not None or args.fragments is not None
-                                         or args.overlap is not None or args.error_feedback is not None):
-        print("--outer-lr, --outer-momentum, --residual-decay, --error-feedback, --fragments and --overlap need "
+                                         or args.overlap is not None):
+        print("--outer-lr, --outer-momentum, --residual-decay, --fragments and --overlap need "
               "--mode diloco or sparse_local", file=sys.stderr)
+        return 2
+    if args.error_feedback is not None and args.mode not in LOCAL_STEPS and not (
+            args.mode == "shared_gradients" and args.share == "updates"):
+        print("--error-feedback needs --mode diloco, sparse_local, or shared_gradients with --share updates",
+              file=sys.stderr)
         return 2
     if args.error_feedback == "model" and args.mode == "diloco" and args.compression == "auto":
         print("--error-feedback model: needs a compressed round (--mode sparse_local, or diloco with --compression)",
@@ -397,7 +403,9 @@ def _local_steps_text(opts: Dict[str, Any]) -> str:
 
 def _run_and_report(args: argparse.Namespace, opts: Dict[str, Any], launch: Dict[str, Any]) -> int:
     print(f"gradshare train: SmallCNN on {opts['data']}, {opts['workers']} {args.launcher} workers, "
-          f"{opts['mode']}" + (f" ({opts['share']}, compression {opts['compression']})"
+          f"{opts['mode']}" + (f" ({opts['share']}, compression {opts['compression']}"
+                               + (", error feedback in the model" if opts.get("error_feedback") == "model" else "")
+                               + ")"
                                if opts["mode"] == "shared_gradients"
                                else f" (every {opts['frequency']} steps{_local_steps_text(opts)})")
           + f", {opts['optimizer']} lr {opts['lr']:g}, {opts['epochs']} epochs, batch {opts['batch_size']} per worker",
