@@ -49,6 +49,9 @@ CONTENDERS: Dict[str, str] = {
     "gradshare_signs": "gradshare_compressed with the top entries sent as signs (compression=TopK(values=\"sign\")): "
                        "each +-its chunk's mean, positions Elias-Fano coded, ~8.6 bits an entry at 2% where 8-bit "
                        "values take 24",
+    "gradshare_model": "DDP + gradshare threshold_hook with ThresholdState(optimizer=opt, error_feedback=\"model\"): "
+                       "what a step does not send waits in each rank's model; the top 1% as signs; link-aware",
+    "gradshare_model_compressed": "gradshare_model compressing every step (link=None)",
     "gradshare_delayed": "gradshare_compressed one step late (delay=1): each step's mean update applied at the end of "
                          "the next, its exchange overlapping that step; evaluated as it trains",
     "ddp_python_hook": "DDP + torch's own allreduce_hook (a Python comm hook doing DDP's float32 all-reduce)",
@@ -114,6 +117,8 @@ def missing_reason(contender: str) -> Optional[str]:
             "gradshare_compressed": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
             "gradshare_signs": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
             "gradshare_delayed": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
+            "gradshare_model": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
+            "gradshare_model_compressed": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
             "gradshare_optimizer_auto": ("gradshare.optim", ("SharedOptimizer",)),
             "gradshare_hook": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
             "gradshare_optimizer": ("gradshare.optim", ("SharedOptimizer",)),
@@ -295,7 +300,8 @@ def setup_contender(contender: str, model: nn.Module, args, task: Task, timer: T
         return th, (ResidualClipping() if args.dgc_clipping else None)
 
     if name in ("ddp_allreduce", "ddp_python_hook", "ddp_fp16", "ddp_powersgd", "gradshare_auto", "gradshare_compressed",
-                "gradshare_signs", "gradshare_delayed", "gradshare_hook", "gradshare_hook_dgc"):
+                "gradshare_signs", "gradshare_delayed", "gradshare_model", "gradshare_model_compressed",
+                "gradshare_hook", "gradshare_hook_dgc"):
         if name == "ddp_powersgd":
             # One bucket: on gloo, powerSGD_hook issues its Q allreduce from the P allreduce's callback, which
             # races with the next bucket's hook, so ranks can order collectives differently and gloo aborts
@@ -319,14 +325,17 @@ def setup_contender(contender: str, model: nn.Module, args, task: Task, timer: T
                                      warm_start=True, random_seed=args.seed)
             ddp.register_comm_hook(state, timer.wrap(ps.powerSGD_hook))
             info.update(start_powerSGD_iter=start, matrix_approximation_rank=args.powersgd_rank)
-        elif name in ("gradshare_auto", "gradshare_compressed", "gradshare_signs", "gradshare_delayed"):
+        elif name in ("gradshare_auto", "gradshare_compressed", "gradshare_signs", "gradshare_delayed",
+                      "gradshare_model", "gradshare_model_compressed"):
             from gradshare.compression import TopK
             from gradshare.hooks import ThresholdState, threshold_hook
 
             opt = sgd(ddp.parameters())
             kwargs = {"gradshare_auto": {}, "gradshare_compressed": {"link": None},
                       "gradshare_signs": {"link": None, "compression": TopK(values="sign")},
-                      "gradshare_delayed": {"link": None, "delay": 1}}[name]
+                      "gradshare_delayed": {"link": None, "delay": 1},
+                      "gradshare_model": {"error_feedback": "model"},
+                      "gradshare_model_compressed": {"link": None, "error_feedback": "model"}}[name]
             state = ThresholdState(optimizer=opt, **kwargs)
             ddp.register_comm_hook(state, timer.wrap(threshold_hook))
             info["compression"] = repr(state.sharing.compression)
