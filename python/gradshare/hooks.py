@@ -110,8 +110,8 @@ class ThresholdState(SharingFront):
             any compression, refused where it cannot apply.
         error_feedback: with ``optimizer=``, where what a step does not send waits: "buffer" (default) in
             gradshare's residual, every rank's parameters the same mean result; "model": in each rank's own
-            parameters (the mean result plus the progress it has not sent yet), so that its next gradient is taken where
-            its own progress brought it and its optimizer does not push again what waits. With Adam it keeps
+            parameters (the mean result plus the progress it has not sent yet), so that its next gradient is
+            taken where its own progress brought it and its optimizer does not push again what waits. With Adam it keeps
             the quality of the default at several times fewer bytes (README, "Training quality"); the ranks'
             parameters differ by what each holds back until ``state.merge()`` or a link-aware all-reduce step.
         threshold: the former name of ``compression`` (deprecated).
