@@ -404,16 +404,10 @@ class ParameterAveraging(WrappedOptimizer):
     def _merge(self) -> None:
         """``error_feedback="model"``: a round in which every bucket sends its whole change and residual (Dense),
         so every rank's model becomes the same mean result."""
-        kept = [b.compression for b in self.sharing.buckets]
-        for b in self.sharing.buckets:
-            b.compression = Dense()
         # after a round with no step since, the residuals still hold what the ranks kept (the same on every rank)
         self._stepped = self._stepped or self.rounds > 0
-        try:
+        with self.sharing.uncompressed():
             self._share_pseudo_gradient()
-        finally:
-            for b, c in zip(self.sharing.buckets, kept):
-                b.compression = c
 
     def _others_step_the_model(self) -> bool:
         """Whether the model has trainable parameters that the inner optimizer does not step (another

@@ -55,6 +55,7 @@ values. Nothing is added to later steps.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -163,6 +164,13 @@ class Bucket:
         for (p, c), (_, s) in zip(self.views(change), self.views(self.snapshot)):
             torch.sub(s, c, out=p.detach())
 
+    @torch.no_grad()
+    def set_params_own(self) -> None:
+        """``error_feedback="model"``: every parameter set to :attr:`snapshot` - :attr:`residual` (the rank's own
+        model: the mean result minus what the rank has not sent), in one pass per parameter."""
+        for (p, r), (_, s) in zip(self.views(self.residual), self.views(self.snapshot)):
+            torch.sub(s, r, out=p.detach())
+
     def set_grads(self, flat: torch.Tensor, present: Optional[Sequence[bool]] = None) -> None:
         """Gradients from ``flat``. A parameter whose entry in ``present`` is False had no gradient on any
         rank: its ``grad`` stays None, so the optimizer leaves it untouched as torch does (no weight decay,
@@ -270,9 +278,9 @@ class Sharing:
             on every rank (SparseLoCo's for rounds); "model": in the rank's own model, which stays the mean
             result minus what the rank has not sent yet, so its next gradients are taken where its own
             progress brought it and its optimizer does not push again what waits (:meth:`residual_into_params`;
-            the mean result, the same on every rank, is the buckets' ``snapshot``). Sharing updates every step
-            this is Qsparse-local-SGD's error feedback with one local step: the ranks' parameters differ by
-            what each holds back until :meth:`merge` or a link-aware all-reduce step (:meth:`make_consistent`).
+            the mean result, the same on every rank, is the buckets' ``snapshot``). Sharing updates every step,
+            the ranks' parameters differ by what each holds back until :meth:`merge` or a link-aware all-reduce
+            step (:meth:`make_consistent`) resets them: CSER's bifurcated models and error reset (Xie et al. 2020).
         momentum_masking: sharing the updates of torch.optim.SGD or Adam's kin (Adam, AdamW, NAdam, RAdam,
             Adamax): zero its momentum (SGD's buffer, Adam's first moment) where an element that waited in the
             residual is sent the other way from its last send (gradshare.momentum_masking). None (default):
@@ -605,11 +613,13 @@ class Sharing:
         ok = self.finish(results)
         if ok and watched:
             self.masking.after(watched, results)
-        self._apply_mean(bs, [b.flat for b in bs], ok, outer)
-        if self.own_models:                      # the mean result, then each rank's model minus what it kept
-            for b in bs:
-                b.gather_params(b.snapshot)
-            self.residual_into_params(bs)
+        if self.own_models and outer is None:
+            for b in bs:                         # the mean result, then each rank's model minus what it kept
+                if ok:
+                    b.snapshot.sub_(b.flat)
+                b.set_params_own()
+        else:
+            self._apply_mean(bs, [b.flat for b in bs], ok, outer)
         self.link_step_ended()
         return ok
 
@@ -703,11 +713,19 @@ class Sharing:
         if not self.own_models or self.world_size <= 1 or not self.buckets:
             return True
         self.begin_updates()
+        with self.uncompressed():
+            return self.share_updates(joined=True)
+
+    @contextlib.contextmanager
+    def uncompressed(self):
+        """Inside the block every bucket encodes with Dense (float32, nothing held back), whatever its policy:
+        the round that sends all that each rank holds back (:meth:`merge`, and local steps' ``average()``).
+        The policies come back after it, also when the round raised."""
         kept = [b.compression for b in self.buckets]
         for b in self.buckets:
             b.compression = Dense()
         try:
-            return self.share_updates(joined=True)
+            yield
         finally:
             for b, c in zip(self.buckets, kept):
                 b.compression = c
