@@ -21,6 +21,10 @@ are bitwise identical at the end.
 
 ``--compression dense`` shares every step's update uncompressed (``compression="dense"``): what sharing the
 optimizer's steps costs by itself, with no compression. ``--seed`` changes the order of the batches.
+``--error-feedback model`` keeps what a step does not send in each rank's model
+(``ThresholdState(..., error_feedback="model")``, its default compression the top 1% as signs), and the hook's
+``state.merge()`` runs after the last step, as a script would before it evaluates or saves: the replicas
+column then checks that the merge left them identical.
 """
 from __future__ import annotations
 
@@ -94,7 +98,8 @@ def _model():
                          nn.Linear(128, 10))
 
 
-def _rank(name: str, contender: str, compression: str = "default", seed: int = 0) -> Dict[str, Any]:
+def _rank(name: str, contender: str, compression: str = "default", seed: int = 0,
+          error_feedback: str = "buffer") -> Dict[str, Any]:
     """One rank's run (inside gradshare.workers.run_local)."""
     import torch.distributed as dist
 
@@ -110,6 +115,8 @@ def _rank(name: str, contender: str, compression: str = "default", seed: int = 0
     state = None
     if contender == "gradshare":
         kwargs = {"compression": "dense"} if compression == "dense" else {}
+        if error_feedback != "buffer":
+            kwargs["error_feedback"] = error_feedback
         state = gradshare.ThresholdState(optimizer=list(opts) if len(opts) > 1 else opt, link=None, **kwargs)
         net.register_comm_hook(state, gradshare.threshold_hook)
     scheds = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=STEPS) for o in opts]
@@ -122,6 +129,8 @@ def _rank(name: str, contender: str, compression: str = "default", seed: int = 0
         for o, sched in zip(opts, scheds):
             o.step()
             sched.step()
+    if state is not None and error_feedback == "model":
+        state.merge()                  # what each rank held back goes out: the replicas become the same
     with torch.no_grad():
         out = {"loss": torch.nn.functional.cross_entropy(model(xtr), ytr).item(),
                "accuracy": (model(xte).argmax(1) == yte).float().mean().item()}
@@ -135,14 +144,15 @@ def _rank(name: str, contender: str, compression: str = "default", seed: int = 0
     return out
 
 
-def run(names: List[str], compression: str = "default", seed: int = 0) -> List[Dict[str, Any]]:
+def run(names: List[str], compression: str = "default", seed: int = 0,
+        error_feedback: str = "buffer") -> List[Dict[str, Any]]:
     from gradshare.workers import run_local
 
     rows = []
     for name in names:
         ddp = run_local(_rank, 2, (name, "ddp", compression, seed), threads=1, timeout=300)[0]
-        gs = run_local(_rank, 2, (name, "gradshare", compression, seed), threads=1, timeout=300)[0]
-        rows.append({"optimizer": name, "seed": seed, "ddp": ddp, "gradshare": gs,
+        gs = run_local(_rank, 2, (name, "gradshare", compression, seed, error_feedback), threads=1, timeout=300)[0]
+        rows.append({"optimizer": name, "seed": seed, "error_feedback": error_feedback, "ddp": ddp, "gradshare": gs,
                      "accuracy_gap_points": 100 * (gs["accuracy"] - ddp["accuracy"]),
                      "loss_gap": gs["loss"] / ddp["loss"] - 1})
         print(f"{name}: DDP {100 * ddp['accuracy']:.2f}%, gradshare {100 * gs['accuracy']:.2f}%", file=sys.stderr)
@@ -169,20 +179,23 @@ def main(argv=None) -> int:
     p.add_argument("--compression", choices=("default", "dense"), default="default",
                    help="default: what gradshare picks for the optimizer; dense: every update uncompressed")
     p.add_argument("--seed", type=int, default=0, help="the order of the batches (the model starts the same)")
+    p.add_argument("--error-feedback", choices=("buffer", "model"), default="buffer",
+                   help="where what a step does not send waits (ThresholdState's error_feedback); model: "
+                        "state.merge() after the last step")
     a = p.parse_args(argv)
     known = optimizers()
     names = a.optimizers.split(",") if a.optimizers else list(known)
     unknown = [n for n in names if n not in known]
     if unknown:
         p.error(f"unknown optimizers {unknown}; known: {', '.join(known)}")
-    rows = run(names, a.compression, a.seed)
+    rows = run(names, a.compression, a.seed, a.error_feedback)
     print(f"torch {torch.__version__}, 2 ranks (gloo, 1 thread each), {STEPS} steps, global batch {GLOBAL_BATCH}, "
-          f"compression {a.compression}, seed {a.seed}\n")
+          f"compression {a.compression}, error feedback {a.error_feedback}, seed {a.seed}\n")
     print(markdown(rows))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"torch": torch.__version__, "steps": STEPS, "compression": a.compression, "seed": a.seed,
-                       "rows": rows}, f, indent=1)
+                       "error_feedback": a.error_feedback, "rows": rows}, f, indent=1)
     return 0 if all(r["gradshare"]["replicas_identical"] for r in rows) else 1
 
 
