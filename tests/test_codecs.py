@@ -67,6 +67,48 @@ def test_topk_matches_reference(n, chunk, k, dtype, values):
         assert torch.equal(out + kept, u)
 
 
+def _hard_chunks(kind, n, seed=0):
+    """Inputs that test the CPU's sampled top-k selection and each way it falls back to the radix one."""
+    g = torch.Generator().manual_seed(seed)
+    update, residual = torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.01
+    if kind == "ties":          # a few distinct magnitudes: the k-th largest is shared by thousands
+        update = torch.randint(-3, 4, (n,), generator=g).float()
+        residual = torch.zeros(n)
+    elif kind == "zeros":       # nearly all zero: the sampled magnitude is 0
+        update = torch.where(torch.rand(n, generator=g) < 0.003, update, torch.zeros(n))
+        residual = torch.zeros(n)
+    elif kind == "rows":        # one large entry per 64 (a matrix's first column): a period of the layout
+        update[::64] *= 1000
+    elif kind == "spikes":      # a few huge entries, then many just below the sample's pick
+        update[torch.randperm(n, generator=g)[:50]] = 1e6
+    elif kind == "sampled":     # large exactly where csrc/cpu/chunked.cpp's select_topk samples a full chunk:
+        for lo in range(0, n - 65535, 65536):   # it then finds fewer than k candidates and selects by radix
+            i = torch.arange(1024)
+            update[lo + i * 64 + (i * 7919) % 64] = 100.0 + torch.rand(1024, generator=g)
+    elif kind == "wide":        # magnitudes over many octaves, denormals included
+        update = update * torch.exp2(torch.randint(-140, 60, (n,), generator=g).float())
+    return update, residual
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "zeros", "rows", "spikes", "sampled", "wide"])
+@pytest.mark.parametrize("k", [1, 66, 655, 1311, 4096, 6553])
+@pytest.mark.parametrize("values", ["int8", "sign"])
+def test_topk_selection_of_large_chunks_matches_reference(kind, k, values):
+    # 65536-element chunks (TopK's) take the sampled selection up to a density of 1/16 (k = 4096), the radix
+    # one above it; the last chunk here is 14465 elements
+    n = 2 * 65536 + 14465
+    update, residual = _hard_chunks(kind, n)
+    msg, kept = _both(_topk, R.encode_topk, update, residual, k, 65536, values)
+    out = torch.zeros(n)
+    ops.decode(out, msg)
+    u = residual + update
+    assert_bits_equal(kept[out == 0], u[out == 0])
+    if values == "sign" and kind != "zeros":  # every entry sent decodes to +-s, s > 0: each chunk sent k_c
+        for lo in range(0, n, 65536):
+            kc = (k * min(65536, n - lo) + 65535) // 65536
+            assert int((out[lo:lo + 65536] != 0).sum()) == kc
+
+
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("chunk", [16, 64, 4096])
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0, 7.5])

@@ -21,6 +21,13 @@
 #include "cpu/parallel.h"
 #include "gradshare/kernels.h"
 
+// SSE2 (every x86-64 CPU) for the top-k candidate masks; other targets, and builds with -DGS_NO_SIMD, use the
+// portable loop, which gives the same masks.
+#if defined(__SSE2__) && !defined(GS_NO_SIMD)
+#include <emmintrin.h>
+#define GS_SSE2 1
+#endif
+
 namespace gs {
 namespace {
 
@@ -109,6 +116,7 @@ inline uint32_t magnitude(float x) { return static_cast<uint32_t>(float_to_bits(
 struct TopkScratch {
   std::vector<int32_t> cand, picked, merged;
   std::vector<uint64_t> keys;
+  std::vector<uint32_t> mags;
 };
 
 // The bin holding the kc-th largest of the counted elements, given `above` of them in higher bins already;
@@ -119,11 +127,7 @@ inline uint32_t bin_of_kth(const uint32_t* hist, int64_t kc, int64_t& above) {
   return b;
 }
 
-void select_topk(const float* u, int64_t len, int64_t kc, TopkScratch& s, int32_t* sel) {
-  if (kc >= len) {
-    for (int64_t j = 0; j < len; ++j) sel[j] = static_cast<int32_t>(j);
-    return;
-  }
+void select_topk_radix(const float* u, int64_t len, int64_t kc, TopkScratch& s, int32_t* sel) {
   // Four interleaved histograms: neighbours often share a bin, and one counter would chain their increments.
   uint32_t part[4][kRadixBins] = {};
   int64_t j4 = 0;
@@ -173,6 +177,98 @@ void select_topk(const float* u, int64_t len, int64_t kc, TopkScratch& s, int32_
   s.merged.resize(static_cast<size_t>(kc));
   std::merge(sel, sel + na, s.picked.begin(), s.picked.end(), s.merged.begin());
   std::copy(s.merged.begin(), s.merged.end(), sel);
+}
+
+// Bit q of the result: magnitude(u[q]) >= low, for the 64 elements at u (len == 64) or the first len.
+inline uint64_t at_least_bits(const float* u, int64_t len, uint32_t low) {
+  uint64_t bits = 0;
+#ifdef GS_SSE2
+  if (len == 64) {
+    const __m128i abs_mask = _mm_set1_epi32(0x7fffffff), below = _mm_set1_epi32(static_cast<int32_t>(low - 1));
+    for (int q = 0; q < 64; q += 4) {
+      const __m128i m = _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + q)), abs_mask);
+      // magnitudes are below 2^31, so the signed compare orders them; low >= 1 (the caller's)
+      bits |= static_cast<uint64_t>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(m, below)))) << q;
+    }
+    return bits;
+  }
+#endif
+  for (int64_t q = 0; q < len; ++q) bits |= static_cast<uint64_t>(magnitude(u[q]) >= low) << q;
+  return bits;
+}
+
+// The same selection as select_topk_radix, found from a sample. The magnitude that about twice kc of the
+// chunk's elements reach is read off kSample elements spread over the chunk; one pass of vector compares then
+// collects every element at or above it (the candidates, a few percent of the chunk at the densities used),
+// and the radix steps run on the candidates alone to find the kc-th largest key T. Every element outside the
+// candidates is below all of them, so when there are at least kc candidates the kc largest keys are among
+// them, and the selection, the candidates with a key >= T, is exactly the radix one. Otherwise (fewer than kc
+// candidates, more than a quarter of the chunk, or a sampled magnitude of 0: many zeros), the radix
+// selection runs. The histograms of the radix selection cost a counter update per element, and its split a
+// scalar pass over every 16 elements that hold a large one (a third of them at 2%): this reads each element
+// once, four to a compare.
+constexpr int64_t kSample = 1024;
+
+void select_topk(const float* u, int64_t len, int64_t kc, TopkScratch& s, int32_t* sel) {
+  if (kc >= len) {
+    for (int64_t j = 0; j < len; ++j) sel[j] = static_cast<int32_t>(j);
+    return;
+  }
+  if (len < 8 * kSample || 16 * kc > len) {  // short chunks, and densities above 1/16 (candidates too many)
+    select_topk_radix(u, len, kc, s, sel);
+    return;
+  }
+  // Sample i at i * stride plus a shift that varies with i: no period of the layout (a matrix's rows) lines up.
+  const int64_t stride = len / kSample;
+  uint32_t sample[kSample];
+  for (int64_t i = 0; i < kSample; ++i) sample[i] = magnitude(u[i * stride + (i * 7919) % stride]);
+  const int64_t r = std::min<int64_t>(kSample, std::max<int64_t>(8, (2 * kc * kSample + len - 1) / len));
+  std::nth_element(sample, sample + (r - 1), sample + kSample, std::greater<uint32_t>());
+  const uint32_t low = sample[r - 1];
+  const int64_t cap = len / 4;
+  if (low == 0) {
+    select_topk_radix(u, len, kc, s, sel);
+    return;
+  }
+  s.cand.resize(static_cast<size_t>(cap) + 64);
+  s.mags.resize(static_cast<size_t>(cap) + 64);
+  int32_t* cand = s.cand.data();
+  uint32_t* mags = s.mags.data();  // the candidates' magnitudes, read in order by the passes below
+  int64_t nc = 0;
+  for (int64_t b = 0; b < len && nc <= cap; b += 64) {
+    uint64_t bits = at_least_bits(u + b, std::min<int64_t>(64, len - b), low);
+    while (bits) {  // cand and mags hold cap + 64: a block adds at most 64 past the cap
+      const int64_t j = b + __builtin_ctzll(bits);
+      cand[nc] = static_cast<int32_t>(j);
+      mags[nc++] = magnitude(u[j]);
+      bits &= bits - 1;
+    }
+  }
+  if (nc < kc || nc > cap) {
+    select_topk_radix(u, len, kc, s, sel);
+    return;
+  }
+  // The kc-th largest key T among the candidates, by the radix steps above: the 11-bit bin of the kc-th
+  // largest, then the next 11 bits within that bin, then nth_element among the few left (one or two at 2%).
+  uint32_t hist[kRadixBins] = {};
+  for (int64_t i = 0; i < nc; ++i) ++hist[mags[i] >> 20];
+  int64_t above = 0;
+  const uint32_t b1 = bin_of_kth(hist, kc, above);
+  std::fill(hist, hist + kRadixBins, 0u);
+  for (int64_t i = 0; i < nc; ++i) hist[(mags[i] >> 9) & (kRadixBins - 1)] += (mags[i] >> 20) == b1;
+  const uint32_t b2 = bin_of_kth(hist, kc, above);
+  s.keys.clear();
+  for (int64_t i = 0; i < nc; ++i)
+    if ((mags[i] >> 20) == b1 && ((mags[i] >> 9) & (kRadixBins - 1)) == b2)
+      s.keys.push_back(topk_key_of_magnitude(mags[i], cand[i]));
+  const int64_t need = kc - above;  // >= 1
+  std::nth_element(s.keys.begin(), s.keys.begin() + (need - 1), s.keys.end(), std::greater<uint64_t>());
+  const uint64_t t = s.keys[static_cast<size_t>(need - 1)];
+  int64_t m = 0;
+  for (int64_t i = 0; i < nc; ++i) {
+    sel[m] = cand[i];  // branch-free: sel holds kc + 1 entries and m < kc until the last pick
+    m += topk_key_of_magnitude(mags[i], cand[i]) >= t;
+  }
 }
 
 }  // namespace

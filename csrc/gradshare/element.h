@@ -81,9 +81,12 @@ GS_HD uint32_t bf16_bits(float u) {
 
 // The order top-k selects by: larger |u| first, then the lower local index. Unique within a chunk, so the
 // selected set does not depend on how it is found (heap, sort or radix select).
+GS_HD uint64_t topk_key_of_magnitude(uint32_t magnitude_bits, int64_t local) {
+  return (static_cast<uint64_t>(magnitude_bits) << 16) | static_cast<uint64_t>(0xffff - local);
+}
+
 GS_HD uint64_t topk_key(float u, int64_t local) {
-  const uint64_t mag = static_cast<uint32_t>(float_to_bits(u)) & 0x7fffffffu;
-  return (mag << 16) | static_cast<uint64_t>(0xffff - local);
+  return topk_key_of_magnitude(static_cast<uint32_t>(float_to_bits(u)) & 0x7fffffffu, local);
 }
 
 // A top-k message word: the value's bfloat16 bits and the local index.
