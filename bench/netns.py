@@ -14,6 +14,11 @@ joined by one veth pair; more go through a bridge in an extra namespace. Shaping
 
 Self-test (25M-float all_reduce between 2 namespaces; environment.md measured 9.2 s shaped, 0.09 s unshaped):
     timeout 300 python bench/netns.py --selftest --rates 100mbit,none
+
+``--op all_gather`` times an all-gather of ``--floats`` float32 a worker instead; ``--pause-ms P`` starts each
+timed call after P ms asleep instead of right after a barrier, as a training step's exchange starts after its
+compute (on these shaped links a message sent after a pause takes longer than one sent after a small exchange:
+README, "End to end").
 """
 from __future__ import annotations
 
@@ -308,8 +313,9 @@ atexit.register(_teardown_all)
 
 
 # ----------------------------------------------------------------------------------------------- self-test
-def _allreduce_worker(floats: int, repeats: int) -> None:
-    """Runs under torchrun inside a namespace: times ``repeats`` all_reduce calls of ``floats`` float32."""
+def _allreduce_worker(floats: int, repeats: int, op: str = "all_reduce", pause_ms: float = 0.0) -> None:
+    """Runs under torchrun inside a namespace: times ``repeats`` calls of ``op`` (all_reduce, or all_gather of
+    ``floats`` float32 from each worker), each after a barrier, or after ``pause_ms`` asleep when that is > 0."""
     import torch
     import torch.distributed as dist
 
@@ -319,26 +325,36 @@ def _allreduce_worker(floats: int, repeats: int) -> None:
     torch.set_num_threads(1)
     _init_process_group("gloo", collective_timeout=300.0)
     x = torch.ones(floats)
+    gathered = torch.empty(floats * dist.get_world_size()) if op == "all_gather" else None
     dist.all_reduce(torch.ones(1))                     # connect before timing
     times = []
     for _ in range(repeats):
-        dist.barrier()
+        if pause_ms > 0:
+            time.sleep(pause_ms / 1e3)
+        else:
+            dist.barrier()
         t0 = time.perf_counter()
-        dist.all_reduce(x)
+        if gathered is None:
+            dist.all_reduce(x)
+        else:
+            dist.all_gather_into_tensor(gathered, x)
         times.append(time.perf_counter() - t0)
-    ok = bool(x[0].item() == dist.get_world_size() ** repeats)
+    ok = bool(x[0].item() == dist.get_world_size() ** repeats) if gathered is None else bool((gathered == 1).all())
     if dist.get_rank() == 0:
-        print("RESULT " + json.dumps({"floats": floats, "seconds": times, "correct": ok}), flush=True)
+        print("RESULT " + json.dumps({"floats": floats, "op": op, "pause_ms": pause_ms, "seconds": times,
+                                      "correct": ok}), flush=True)
     process_group.destroy_process_group()
 
 
-def selftest(rates: Sequence[str], workers: int, floats: int, repeats: int, timeout: float) -> List[dict]:
+def selftest(rates: Sequence[str], workers: int, floats: int, repeats: int, timeout: float,
+             op: str = "all_reduce", pause_ms: float = 0.0) -> List[dict]:
     rows = []
     for rate in rates:
         with NetnsCluster(workers, rate=rate) as net:
             before = net.counters()
             res = net.torchrun(os.path.abspath(__file__), ["--allreduce-worker", "--floats", str(floats),
-                                                           "--repeats", str(repeats)], timeout=timeout)
+                                                           "--repeats", str(repeats), "--op", op,
+                                                           "--pause-ms", str(pause_ms)], timeout=timeout)
             after = net.counters()
             names = list(net.namespaces)
         line = next((l for l in res[0].stdout.splitlines() if l.startswith("RESULT ")), None)
@@ -346,9 +362,10 @@ def selftest(rates: Sequence[str], workers: int, floats: int, repeats: int, time
             raise RuntimeError(f"self-test at {rate} failed:\n" + "\n".join(r.stderr[-3000:] for r in res))
         data = json.loads(line[len("RESULT "):])
         sent = [a["tx_bytes"] - b["tx_bytes"] for a, b in zip(after, before)]
-        row = {"rate": rate, "workers": workers, "floats": floats, "seconds": data["seconds"],
-               "correct": data["correct"], "tx_bytes": sent, "payload_bytes_per_worker_per_call":
-               2 * (workers - 1) / workers * 4 * floats}
+        row = {"rate": rate, "workers": workers, "floats": floats, "op": op, "pause_ms": pause_ms,
+               "seconds": data["seconds"], "correct": data["correct"], "tx_bytes": sent,
+               "payload_bytes_per_worker_per_call": (2 * (workers - 1) / workers * 4 * floats if op == "all_reduce"
+                                                     else (workers - 1) * 4 * floats)}
         if "tc_bytes" in after[0]:
             row["tc_bytes"] = [a["tc_bytes"] - b["tc_bytes"] for a, b in zip(after, before)]
         leftover = [n for n in _ip("netns", "list", check=False).split() if n in names]
@@ -360,7 +377,10 @@ def selftest(rates: Sequence[str], workers: int, floats: int, repeats: int, time
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--selftest", action="store_true", help="time an all_reduce under each --rates setting")
+    ap.add_argument("--selftest", action="store_true", help="time a collective under each --rates setting")
+    ap.add_argument("--op", choices=("all_reduce", "all_gather"), default="all_reduce", help="the self-test's collective")
+    ap.add_argument("--pause-ms", type=float, default=0.0,
+                    help="self-test: each timed call after this long asleep instead of right after a barrier")
     ap.add_argument("--rates", default="100mbit,none", help="comma list: 100mbit, 1gbit, none")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--floats", type=int, default=25_000_000)
@@ -370,13 +390,14 @@ def main(argv=None) -> int:
     ap.add_argument("--allreduce-worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.allreduce_worker:
-        _allreduce_worker(a.floats, a.repeats)
+        _allreduce_worker(a.floats, a.repeats, a.op, a.pause_ms)
         return 0
     if a.cleanup:
         print("removed:", cleanup_stale())
         return 0
     if a.selftest:
-        selftest([r.strip() for r in a.rates.split(",") if r.strip()], a.workers, a.floats, a.repeats, a.timeout)
+        selftest([r.strip() for r in a.rates.split(",") if r.strip()], a.workers, a.floats, a.repeats, a.timeout,
+                 a.op, a.pause_ms)
         return 0
     ap.print_help()
     return 2
