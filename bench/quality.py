@@ -30,6 +30,7 @@ batch's second moment: gradshare.second_moment), ``gradshare_delayed`` (``gradsh
 ``delay=1``, each step's mean update applied at the end of the next, ``flush()`` before evaluating),
 ``gradshare_model`` (``error_feedback="model"``, compressing every step: what a step does not send waits in each
 rank's model, and its default compression, the top 1% as signs; rank 0's own model is judged, without
+``merge()``; results.json and results.md also give the mean result every rank holds and the model after
 ``merge()``), ``gradshare_model_1e-3`` (the same at 0.1% with 8-bit values: ``TargetSparsity(target=0.001)``)
 and ``single`` (one process alone, same batch per step: what sharing must beat). Any contender with
 ``@bf16`` appended trains under CPU bf16 autocast, with ``@fp16`` under fp16 autocast and a
@@ -243,9 +244,25 @@ def rank_main(cfg: Dict) -> Dict:
         state.average()
         counter.on = False
     metric = data.evaluate(model) if rank == 0 else None
-    out = {"rank": rank, "world": world, "params": n, "steps": wl.steps, "metric": metric,
+    out = {}
+    cores = [c for c in (getattr(state, "sharings", None) or [getattr(state, "sharing", None)]) if c is not None]
+    if any(getattr(c, "own_models", False) for c in cores):
+        # What waits kept in each rank's model: the table judges rank 0's own model; here also the round's mean
+        # result that every rank holds (the buckets' snapshot, checked identical) and the model after merge().
+        for c in cores:
+            c.restore_params()                     # every parameter set to the mean result
+        out["snapshot_metric"] = data.evaluate(model) if rank == 0 else None
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        every = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(every, flat)
+        out["snapshot_identical"] = all(torch.equal(every[0], x) for x in every)
+        for c in cores:
+            c.residual_into_params()               # back to the rank's own model
+        state.merge()
+        out["merged_metric"] = data.evaluate(model) if rank == 0 else None
+    out.update({"rank": rank, "world": world, "params": n, "steps": wl.steps, "metric": metric,
            "train_loss": statistics.fmean(losses[-50:]), "bytes": counter.bytes,
-           "dense_bytes": wl.steps * 2 * (world - 1) * 4 * n // world if world > 1 else 0, "seconds": seconds}
+           "dense_bytes": wl.steps * 2 * (world - 1) * 4 * n // world if world > 1 else 0, "seconds": seconds})
     if state is not None:
         out["library_bytes"] = state.bytes_sent               # gradshare.stats.ReportsTraffic
         if state.stats is not None:
@@ -269,7 +286,8 @@ def run_one(workload: str, contender: str, seed: int, workers: int, data_dir: st
     return {"workload": workload, "contender": contender, "seed": seed, "workers": world, "metric": r0["metric"],
             "train_loss": r0["train_loss"], "bytes": max(o["bytes"] for o in outs), "ddp_bytes": ddp_bytes,
             "library_bytes": r0.get("library_bytes"), "formats": r0.get("formats"), "params": r0["params"],
-            "steps": r0["steps"], "train_seconds": r0["seconds"], "wall_seconds": time.perf_counter() - t0}
+            "steps": r0["steps"], "train_seconds": r0["seconds"], "wall_seconds": time.perf_counter() - t0,
+            **{k: r0[k] for k in ("snapshot_metric", "snapshot_identical", "merged_metric") if k in r0}}
 
 
 # ------------------------------------------------------------------------------------ tables
@@ -306,6 +324,20 @@ def summarize(results: List[Dict]) -> str:
                                                              if sent else "n/a")
             lines.append(f"| {c} | {mean:.4f}{spread} | {d} | {ratio} | {len(rs)} |")
         lines.append("")
+        own = [c for c in dict.fromkeys(r["contender"] for r in rows)
+               if all(r.get("snapshot_metric") is not None for r in rows if r["contender"] == c)]
+        if own:
+            lines.append("What waits kept in each rank's model, judged three ways (mean over seeds): rank 0's own "
+                         "model (above), the mean result every rank holds, and the model after `merge()`.\n")
+            lines.append("| contender | own | mean result | identical on every rank | after merge() | seeds |")
+            lines.append("|---|---:|---:|---|---:|---:|")
+            for c in own:
+                rs = [r for r in rows if r["contender"] == c]
+                mean = lambda k: statistics.fmean(r[k] for r in rs)  # noqa: E731
+                same = "yes" if all(r["snapshot_identical"] for r in rs) else "NO"
+                lines.append(f"| {c} | {mean('metric'):.4f} | {mean('snapshot_metric'):.4f} | {same} "
+                             f"| {mean('merged_metric'):.4f} | {len(rs)} |")
+            lines.append("")
     return "\n".join(lines)
 
 
