@@ -252,17 +252,19 @@ def rank_main(cfg: Dict) -> Dict:
         for c in cores:
             c.restore_params()                     # every parameter set to the mean result
         out["snapshot_metric"] = data.evaluate(model) if rank == 0 else None
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        every = [torch.empty_like(flat) for _ in range(world)]
-        dist.all_gather(every, flat)
-        out["snapshot_identical"] = all(torch.equal(every[0], x) for x in every)
+        from gradshare.replicas import ReplicaMismatchError, verify_replicas
+        try:
+            verify_replicas(model)
+            out["snapshot_identical"] = True
+        except ReplicaMismatchError:
+            out["snapshot_identical"] = False
         for c in cores:
             c.residual_into_params()               # back to the rank's own model
         state.merge()
         out["merged_metric"] = data.evaluate(model) if rank == 0 else None
     out.update({"rank": rank, "world": world, "params": n, "steps": wl.steps, "metric": metric,
-           "train_loss": statistics.fmean(losses[-50:]), "bytes": counter.bytes,
-           "dense_bytes": wl.steps * 2 * (world - 1) * 4 * n // world if world > 1 else 0, "seconds": seconds})
+                "train_loss": statistics.fmean(losses[-50:]), "bytes": counter.bytes,
+                "dense_bytes": wl.steps * 2 * (world - 1) * 4 * n // world if world > 1 else 0, "seconds": seconds})
     if state is not None:
         out["library_bytes"] = state.bytes_sent               # gradshare.stats.ReportsTraffic
         if state.stats is not None:

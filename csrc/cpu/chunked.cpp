@@ -127,6 +127,24 @@ inline uint32_t bin_of_kth(const uint32_t* hist, int64_t kc, int64_t& above) {
   return b;
 }
 
+// The second radix step, shared by both selections: among candidates cand[0, nc) (magnitudes mag[i]), of which
+// those in 11-bit bin b1 compete for the kc largest keys after `above` of them in higher bins, the kc-th largest
+// key: a histogram of the next 11 bits within b1, then nth_element among the candidates in that finer bin.
+template <class Mag>
+uint64_t kth_key_in_bin(const int32_t* cand, int64_t nc, Mag mag, uint32_t b1, int64_t kc, int64_t above,
+                        std::vector<uint64_t>& keys) {
+  uint32_t hist[kRadixBins] = {};
+  for (int64_t i = 0; i < nc; ++i) hist[(mag(i) >> 9) & (kRadixBins - 1)] += (mag(i) >> 20) == b1;
+  const uint32_t b2 = bin_of_kth(hist, kc, above);
+  keys.clear();
+  for (int64_t i = 0; i < nc; ++i)
+    if ((mag(i) >> 20) == b1 && ((mag(i) >> 9) & (kRadixBins - 1)) == b2)
+      keys.push_back(topk_key_of_magnitude(mag(i), cand[i]));
+  const int64_t need = kc - above;  // >= 1: the largest `need` of `keys` complete the selection
+  std::nth_element(keys.begin(), keys.begin() + (need - 1), keys.end(), std::greater<uint64_t>());
+  return keys[static_cast<size_t>(need - 1)];
+}
+
 void select_topk_radix(const float* u, int64_t len, int64_t kc, TopkScratch& s, int32_t* sel) {
   // Four interleaved histograms: neighbours often share a bin, and one counter would chain their increments.
   uint32_t part[4][kRadixBins] = {};
@@ -161,16 +179,8 @@ void select_topk_radix(const float* u, int64_t len, int64_t kc, TopkScratch& s, 
       nc += bin == b1;
     }
   }
-  std::fill(hist, hist + kRadixBins, 0u);
-  for (int64_t i = 0; i < nc; ++i) ++hist[(magnitude(u[cand[i]]) >> 9) & (kRadixBins - 1)];
-  int64_t above2 = above;
-  const uint32_t b2 = bin_of_kth(hist, kc, above2);
-  s.keys.clear();
-  for (int64_t i = 0; i < nc; ++i)
-    if (((magnitude(u[cand[i]]) >> 9) & (kRadixBins - 1)) == b2) s.keys.push_back(topk_key(u[cand[i]], cand[i]));
-  const int64_t need = kc - above2;  // >= 1: the largest `need` of `keys` complete the selection
-  std::nth_element(s.keys.begin(), s.keys.begin() + (need - 1), s.keys.end(), std::greater<uint64_t>());
-  const uint64_t t = s.keys[static_cast<size_t>(need - 1)];
+  const uint64_t t = kth_key_in_bin(cand, nc, [&](int64_t i) { return magnitude(u[cand[i]]); }, b1, kc, above,
+                                     s.keys);
   s.picked.clear();
   for (int64_t i = 0; i < nc; ++i)
     if (topk_key(u[cand[i]], cand[i]) >= t) s.picked.push_back(cand[i]);
@@ -248,22 +258,13 @@ void select_topk(const float* u, int64_t len, int64_t kc, TopkScratch& s, int32_
     select_topk_radix(u, len, kc, s, sel);
     return;
   }
-  // The kc-th largest key T among the candidates, by the radix steps above: the 11-bit bin of the kc-th
-  // largest, then the next 11 bits within that bin, then nth_element among the few left (one or two at 2%).
+  // The kc-th largest key T among the candidates, by the radix steps: the 11-bit bin of the kc-th largest, then
+  // the next 11 bits within that bin, then nth_element among the few left (one or two at 2%).
   uint32_t hist[kRadixBins] = {};
   for (int64_t i = 0; i < nc; ++i) ++hist[mags[i] >> 20];
   int64_t above = 0;
   const uint32_t b1 = bin_of_kth(hist, kc, above);
-  std::fill(hist, hist + kRadixBins, 0u);
-  for (int64_t i = 0; i < nc; ++i) hist[(mags[i] >> 9) & (kRadixBins - 1)] += (mags[i] >> 20) == b1;
-  const uint32_t b2 = bin_of_kth(hist, kc, above);
-  s.keys.clear();
-  for (int64_t i = 0; i < nc; ++i)
-    if ((mags[i] >> 20) == b1 && ((mags[i] >> 9) & (kRadixBins - 1)) == b2)
-      s.keys.push_back(topk_key_of_magnitude(mags[i], cand[i]));
-  const int64_t need = kc - above;  // >= 1
-  std::nth_element(s.keys.begin(), s.keys.begin() + (need - 1), s.keys.end(), std::greater<uint64_t>());
-  const uint64_t t = s.keys[static_cast<size_t>(need - 1)];
+  const uint64_t t = kth_key_in_bin(cand, nc, [&](int64_t i) { return mags[i]; }, b1, kc, above, s.keys);
   int64_t m = 0;
   for (int64_t i = 0; i < nc; ++i) {
     sel[m] = cand[i];  // branch-free: sel holds kc + 1 entries and m < kc until the last pick
