@@ -1,7 +1,8 @@
 """Training quality at equal steps: does sharing train as well as DDP, and for how many bytes?
 
 Every contender trains the same workload (bench/workloads.py) from the same seed, on the same batches,
-for the same number of steps, with the same optimizer; only the exchange differs. Each run is a real
+for the same number of steps, with the same optimizer and learning-rate schedule (cosine annealing to 0;
+``--schedule constant``: none); only the exchange differs. Each run is a real
 job of ``--workers`` processes over gloo on loopback (gradshare.workers.run_local). Reported per
 workload and contender: the final metric (test accuracy, or validation loss for the language model and the regression) as
 mean [min, max] over the seeds, its difference from DDP paired by seed, and the bytes over the whole run
@@ -213,7 +214,8 @@ def rank_main(cfg: Dict) -> Dict:
         if name == "gradshare_own_moment":
             state.sharing.global_second_moment = False
         net.register_comm_hook(state, gradshare.threshold_hook)
-    scheds = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=wl.steps) for o in [opt] + others]
+    scheds = ([torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=wl.steps) for o in [opt] + others]
+              if cfg.get("schedule", "cosine") == "cosine" else [])          # "constant": the optimizer's lr
     losses, t0 = [], time.perf_counter()
     scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
     half = torch.bfloat16 if precision == "bf16" else torch.float16
@@ -249,17 +251,14 @@ def rank_main(cfg: Dict) -> Dict:
     if any(getattr(c, "own_models", False) for c in cores):
         # What waits kept in each rank's model: the table judges rank 0's own model; here also the round's mean
         # result that every rank holds (the buckets' snapshot, checked identical) and the model after merge().
-        for c in cores:
-            c.restore_params()                     # every parameter set to the mean result
-        out["snapshot_metric"] = data.evaluate(model) if rank == 0 else None
         from gradshare.replicas import ReplicaMismatchError, verify_replicas
-        try:
-            verify_replicas(model)
-            out["snapshot_identical"] = True
-        except ReplicaMismatchError:
-            out["snapshot_identical"] = False
-        for c in cores:
-            c.residual_into_params()               # back to the rank's own model
+        with state.mean_result():                  # every parameter set to the mean result, then back
+            out["snapshot_metric"] = data.evaluate(model) if rank == 0 else None
+            try:
+                verify_replicas(model)
+                out["snapshot_identical"] = True
+            except ReplicaMismatchError:
+                out["snapshot_identical"] = False
         state.merge()
         out["merged_metric"] = data.evaluate(model) if rank == 0 else None
     out.update({"rank": rank, "world": world, "params": n, "steps": wl.steps, "metric": metric,
@@ -276,16 +275,17 @@ def _single(cfg: Dict) -> Dict:
     return rank_main(cfg)
 
 
-def run_one(workload: str, contender: str, seed: int, workers: int, data_dir: str) -> Dict:
+def run_one(workload: str, contender: str, seed: int, workers: int, data_dir: str, schedule: str = "cosine") -> Dict:
     from gradshare.workers import run_local
 
-    cfg = {"workload": workload, "contender": contender, "seed": seed, "data_dir": data_dir}
+    cfg = {"workload": workload, "contender": contender, "seed": seed, "data_dir": data_dir, "schedule": schedule}
     world = 1 if contender.partition("@")[0] == "single" else workers
     t0 = time.perf_counter()
     outs = run_local(rank_main, world, (cfg,), threads=1, timeout=3600, collective_timeout=600)
     r0 = outs[0]
     ddp_bytes = r0["steps"] * 2 * (workers - 1) * 4 * r0["params"] // workers
-    return {"workload": workload, "contender": contender, "seed": seed, "workers": world, "metric": r0["metric"],
+    return {"workload": workload, "contender": contender, "seed": seed, "workers": world, "schedule": schedule,
+            "metric": r0["metric"],
             "train_loss": r0["train_loss"], "bytes": max(o["bytes"] for o in outs), "ddp_bytes": ddp_bytes,
             "library_bytes": r0.get("library_bytes"), "formats": r0.get("formats"), "params": r0["params"],
             "steps": r0["steps"], "train_seconds": r0["seconds"], "wall_seconds": time.perf_counter() - t0,
@@ -368,6 +368,9 @@ def main(argv=None) -> int:
     p.add_argument("--data-dir", default=None, help="MNIST idx files (default: ../shared/data/mnist)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "quality"))
     p.add_argument("--report", metavar="DIR", help="re-render DIR/results.json and exit")
+    p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine",
+                   help="the learning rate over the run: cosine annealing to 0 (default), or the optimizer's "
+                        "own, constant (where what waits in error feedback has not drained at the end)")
     args = p.parse_args(argv)
     if args.report:
         results = json.load(open(os.path.join(args.report, "results.json")))
@@ -384,12 +387,15 @@ def main(argv=None) -> int:
     path = os.path.join(args.out, "results.json")
     results = json.load(open(path)) if os.path.exists(path) else []
     done = {(r["workload"], r["contender"], r["seed"]) for r in results}
+    schedules = {r.get("schedule", "cosine") for r in results} | {args.schedule}
+    if len(schedules) > 1:
+        p.error(f"{path} holds runs with another --schedule; use a folder of its own")
     for seed in [int(s) for s in args.seeds.split(",")]:
         for wl in args.workloads.split(","):
             for c in contenders:
                 if (wl, c, seed) in done:
                     continue
-                r = run_one(wl, c, seed, args.workers, data_dir)
+                r = run_one(wl, c, seed, args.workers, data_dir, args.schedule)
                 results.append(r)
                 print(json.dumps({k: r[k] for k in ("workload", "contender", "seed", "metric", "bytes",
                                                     "ddp_bytes", "wall_seconds")}), flush=True)

@@ -613,6 +613,10 @@ def _own_model_run(front, steps, start=0, ckpt=None, save_at=None, bad=None, non
     out["held back"] = float(sum(b.residual.abs().sum() for b in bs))
     out["residuals"] = [b.residual.clone().numpy() for b in bs]
     out["ratio"] = state.sharing.stats.bytes_sent / state.sharing.stats.dense_bytes
+    with state.mean_result():                # the mean result in place, without a collective
+        out["inside mean_result"] = _flat(model)
+        verify_replicas(model)
+    out["own after mean_result"] = np.array_equal(_flat(model), out["params"])
     state.merge()
     verify_replicas(model)                   # raises where the ranks' parameters differ
     out["merged"] = _flat(model)
@@ -631,6 +635,8 @@ def test_model_feedback_holds_back_in_each_model_and_merge_makes_replicas_identi
         a, b = res[0][i], res[1][i]
         assert not np.array_equal(a["params"], b["params"])        # each rank holds its own unsent part
         assert np.array_equal(a["mean result"], b["mean result"])  # the mean result is the same everywhere
+        assert np.array_equal(a["inside mean_result"], a["mean result"]) and a["own after mean_result"]
+        assert b["own after mean_result"]
         assert a["own is mean minus residual"] and b["own is mean minus residual"]
         assert a["held back"] > 0 and a["ratio"] < 0.5
         assert np.array_equal(a["merged"], b["merged"]) and a["held back after merge"] == 0.0
@@ -690,3 +696,9 @@ def test_model_feedback_is_checked():
     assert sgd_own.compression.values == "sign" and sgd_own.sharing.masking is None
     assert SharedOptimizer(adam, error_feedback="model", compression=TopK(0.01)).sharing.masking is None
     assert SharedOptimizer(adam, compression=TopK(0.01)).sharing.masking is not None
+    with torch.no_grad():
+        w.fill_(0.5)
+    with SharedOptimizer(adam, compression=TopK(0.01)).mean_result():   # the buffer's: nothing to put in place
+        assert torch.equal(w, torch.full((3,), 0.5))
+    with own.mean_result():                                              # no step yet: no mean result held
+        assert torch.equal(w, torch.full((3,), 0.5))

@@ -113,7 +113,8 @@ class ThresholdState(SharingFront):
             parameters (the mean result plus the progress it has not sent yet), so that its next gradient is
             taken where its own progress brought it and its optimizer does not push again what waits. With Adam it keeps
             the quality of the default at several times fewer bytes (README, "Training quality"); the ranks'
-            parameters differ by what each holds back until ``state.merge()`` or a link-aware all-reduce step.
+            parameters differ by what each holds back until ``state.merge()`` or a link-aware all-reduce step;
+            inside ``with state.mean_result():`` they are the mean result, the same on every rank (no collective).
         threshold: the former name of ``compression`` (deprecated).
     """
 

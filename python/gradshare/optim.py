@@ -95,7 +95,8 @@ class SharedOptimizer(SharingFront, WrappedOptimizer, Joinable):
             gradshare's residual, every rank's parameters the same mean result; "model": in each rank's own
             parameters (the mean result plus the progress it has not sent yet), so that its next gradient is
             taken where its own progress brought it (gradshare.sharing). The ranks' parameters differ by what
-            each holds back until ``opt.merge()`` or a link-aware all-reduce step.
+            each holds back until ``opt.merge()`` or a link-aware all-reduce step; inside ``with opt.mean_result():``
+            they are the mean result, the same on every rank (no collective).
         threshold: the former name of ``compression`` (deprecated).
 
     It is a torch.optim.Optimizer over the inner optimizer's ``param_groups`` and ``state`` (the same objects):

@@ -248,6 +248,17 @@ class SharingFront:
             ok = sh.merge() and ok
         return ok
 
+    @contextlib.contextmanager
+    def mean_result(self):
+        """With ``error_feedback="model"``: inside the block every rank's parameters are the round's mean result,
+        the same bits on every rank, and each rank's own model again after it (Sharing.mean_result): evaluate
+        or save the model the ranks hold alike without the collective of :meth:`merge`. Nothing changes
+        otherwise."""
+        with contextlib.ExitStack() as stack:
+            for sh in getattr(self, "sharings", [self.sharing]):
+                stack.enter_context(sh.mean_result())
+            yield
+
 
 class Sharing:
     """Error-feedback sharing of a set of buckets over a process group; one home for a bucket's step.
@@ -715,6 +726,24 @@ class Sharing:
         self.begin_updates()
         with self.uncompressed():
             return self.share_updates(joined=True)
+
+    @contextlib.contextmanager
+    def mean_result(self):
+        """``error_feedback="model"`` sharing updates: inside the block every rank's parameters are the round's
+        mean result (the buckets' ``snapshot``, the same bits on every rank), and after it the rank's own model
+        again (snapshot - residual), also when the block raised. No collective: for reading the model that every
+        rank holds alike (an evaluation, one rank's checkpoint) between steps; what the block writes to the
+        parameters is not kept. Nothing changes otherwise."""
+        held = [b for b in self.buckets if self.own_models and b.start_held]
+        with torch.no_grad():
+            for b in held:
+                b.set_params(b.snapshot)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b in held:
+                    b.set_params_own()
 
     @contextlib.contextmanager
     def uncompressed(self):
