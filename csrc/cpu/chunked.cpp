@@ -7,9 +7,9 @@
 // Two phases. Phase 1 (parallel over chunks) computes u = residual + update (with a fused momentum:
 // residual + m * velocity + update, the new velocity going to its own buffer and then zeroed where sent) into
 // a per-thread scratch chunk, checks it is finite and writes the chunk's part of the message. When `kept` is a separate buffer
-// (the residual is only read), phase 1 also writes the chunk's kept residual (u, minus what was sent) from
-// the scratch chunk while it is in cache; a non-finite chunk then leaves `kept` partly written, which the
-// caller discards with the step. In place (kept == residual) the residual may only change once every chunk
+// (the residual is only read), phase 1 also writes the chunk's kept residual (u, minus what was sent): top-k
+// builds u in `kept` itself and subtracts in place, ternary writes it from the scratch chunk while it is in
+// cache; a non-finite chunk then leaves `kept` partly written, which the caller discards with the step. In place (kept == residual) the residual may only change once every chunk
 // is known to be finite: phase 2 then recomputes u and writes it. A non-finite u anywhere leaves the
 // residual unchanged and turns the message into a marker of the same length.
 #include <algorithm>
@@ -364,7 +364,7 @@ ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, const float* re
 #pragma omp parallel if (n >= kParallelMin)
 #endif
   {
-    std::vector<float> u(static_cast<size_t>(std::min(chunk, n)));
+    std::vector<float> u(direct ? 0 : static_cast<size_t>(std::min(chunk, n)));
     std::vector<int32_t> sel(static_cast<size_t>(std::min(k, n)) + 1);
     TopkScratch scratch;
 #ifdef GS_HAVE_OPENMP
@@ -373,16 +373,16 @@ ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, const float* re
     for (int64_t c = 0; c < nch; ++c) {
       const int64_t lo = c * chunk, len = chunk_len(n, chunk, c), kc = topk_k(k, len, chunk);
       int32_t* w = payload + c * stride;  // every earlier chunk is full
-      bad[c] = load(update, dtype, mo, residual, lo, len, u.data());
+      // With a kept buffer apart from the residual, u is built in place there (the spare: nothing reads it
+      // until a completed step commits it), so no copy of the chunk follows.
+      float* uc = direct ? kept + lo : u.data();
+      bad[c] = load(update, dtype, mo, residual, lo, len, uc);
       if (bad[c] >= 0) continue;
-      if (kc > 0) select_topk(u.data(), len, kc, scratch, sel.data());
-      pack_topk(format, u.data(), sel.data(), kc, len, w);
+      if (kc > 0) select_topk(uc, len, kc, scratch, sel.data());
+      pack_topk(format, uc, sel.data(), kc, len, w);
       if (mo.velocity)
         for (int64_t i = 0; i < kc; ++i) mo.out[lo + sel[i]] = 0.0f;  // momentum factor masking
-      if (direct) {
-        std::copy(u.data(), u.data() + len, kept + lo);
-        subtract_topk(format, w, kc, len, kept + lo);
-      }
+      if (direct) subtract_topk(format, w, kc, len, uc);
     }
   }
   const int64_t b = first_bad(bad, chunk);
