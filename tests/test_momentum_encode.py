@@ -12,7 +12,8 @@ from gradshare import _native
 from gradshare.message import NONFINITE
 from op_inputs import assert_bits_equal
 
-KINDS = ["strom", "strom_bitmap", "topk", "topk8", "topk_sign", "ternary"]
+# topk_64k*: TopK's 65536-element chunks, whose selection starts from a sample taken before the chunk is loaded
+KINDS = ["strom", "strom_bitmap", "topk", "topk8", "topk_sign", "topk_64k8", "topk_64k_sign", "ternary"]
 M = 0.9
 
 
@@ -27,6 +28,10 @@ def _encode(kind, update, residual, **kw):
         return ops.encode_topk(update, residual, 40, chunk=1000, values="int8", **kw)
     if kind == "topk_sign":
         return ops.encode_topk(update, residual, 40, chunk=1000, values="sign", **kw)
+    if kind == "topk_64k8":
+        return ops.encode_topk(update, residual, 655, chunk=65536, values="int8", **kw)
+    if kind == "topk_64k_sign":
+        return ops.encode_topk(update, residual, 655, chunk=65536, values="sign", **kw)
     return ops.encode_ternary(update, residual, 0.5, chunk=1024, **kw)
 
 
