@@ -12,7 +12,7 @@ from gradshare import _native
 from gradshare.message import NONFINITE
 from op_inputs import assert_bits_equal
 
-# topk_64k*: TopK's 65536-element chunks, whose selection starts from a sample taken before the chunk is loaded
+# topk_64k*: TopK's 65536-element chunks, whose selection starts from a sample of the chunk (csrc/cpu/chunked.cpp)
 KINDS = ["strom", "strom_bitmap", "topk", "topk8", "topk_sign", "topk_64k8", "topk_64k_sign", "ternary"]
 M = 0.9
 

@@ -6,10 +6,11 @@
 //
 // Two phases. Phase 1 (parallel over chunks) computes u = residual + update (with a fused momentum:
 // residual + m * velocity + update, the new velocity going to its own buffer and then zeroed where sent) into
-// a per-thread scratch chunk, checks it is finite and writes the chunk's part of the message. When `kept` is a separate buffer
-// (the residual is only read), phase 1 also writes the chunk's kept residual (u, minus what was sent): top-k
-// builds u in `kept` itself and subtracts in place, ternary writes it from the scratch chunk while it is in
-// cache; a non-finite chunk then leaves `kept` partly written, which the caller discards with the step. In place (kept == residual) the residual may only change once every chunk
+// a per-thread scratch chunk, checks it is finite and writes the chunk's part of the message. When `kept` is
+// a separate buffer (the residual is only read), phase 1 also writes the chunk's kept residual (u, minus what
+// was sent): top-k builds u in `kept` itself and subtracts in place, ternary writes it from the scratch chunk
+// while it is in cache; a non-finite chunk then leaves `kept` partly written, which the caller discards with
+// the step. In place (kept == residual) the residual may only change once every chunk
 // is known to be finite: phase 2 then recomputes u and writes it. A non-finite u anywhere leaves the
 // residual unchanged and turns the message into a marker of the same length.
 #include <algorithm>

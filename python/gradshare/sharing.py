@@ -735,15 +735,12 @@ class Sharing:
         rank holds alike (an evaluation, one rank's checkpoint) between steps; what the block writes to the
         parameters is not kept. Nothing changes otherwise."""
         held = [b for b in self.buckets if self.own_models and b.start_held]
-        with torch.no_grad():
-            for b in held:
-                b.set_params(b.snapshot)
+        self.restore_params(held)                 # Bucket's setters write under no_grad
         try:
             yield
         finally:
-            with torch.no_grad():
-                for b in held:
-                    b.set_params_own()
+            for b in held:
+                b.set_params_own()
 
     @contextlib.contextmanager
     def uncompressed(self):
