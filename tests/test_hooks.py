@@ -415,6 +415,93 @@ def test_zero_redundancy_optimizer_is_refused_with_what_to_do():
     assert said is not None and "ZeRO steps each rank's shard" in said and "without optimizer=" in said
 
 
+def _gradients_mode_told(opt_name, given):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    ddp = DDP(model)
+    opt = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+           "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)}[opt_name](ddp.parameters())
+    other = torch.optim.Adam(nn.Linear(2, 2).parameters())          # an Adam that steps another model
+    state = ThresholdState(optimizer=opt) if given else ThresholdState()
+    ddp.register_comm_hook(state, threshold_hook)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            other.step()
+            F.cross_entropy(ddp(torch.randn(8, 8, generator=g)), torch.randint(0, 4, (8,), generator=g)).backward()
+            opt.step()                                                  # the line a warning names
+            opt.zero_grad()
+    told = [w for w in caught if "without optimizer=" in str(w.message)]
+    return [(str(w.message), w.filename, w.lineno) for w in told]
+
+
+def _optimizer_built_again(variant):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    ddp.register_comm_hook(ThresholdState(optimizer=opt, link=None), threshold_hook)
+    g = torch.Generator().manual_seed(dist.get_rank())
+
+    def steps(net, o, k):
+        for _ in range(k):
+            F.cross_entropy(net(torch.randn(8, 8, generator=g)), torch.randint(0, 4, (8,), generator=g)).backward()
+            o.step()
+            o.zero_grad()
+
+    class Wrapper(torch.optim.Optimizer):            # a wrapper of the given optimizer (Accelerate's, Lookahead)
+        def __init__(self, inner):
+            self.optimizer, self.param_groups, self.defaults, self.state = inner, inner.param_groups, {}, {}
+            self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+
+        def step(self, closure=None):
+            return self.optimizer.step(closure)
+
+    steps(ddp, opt, 2)
+    said = None
+    if variant == "rebuilt":                        # the loop goes on with a new optimizer, the hook's state not told
+        try:
+            steps(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2), 2)
+        except RuntimeError as e:
+            said = str(e)
+    elif variant == "new_ddp":                      # done as the error says: a new DDP model and state
+        opt2 = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ddp2 = DDP(model)
+        ddp2.register_comm_hook(ThresholdState(optimizer=opt2, link=None), threshold_hook)
+        steps(ddp2, opt2, 2)
+    else:
+        steps(ddp, Wrapper(opt), 2)
+    verify_replicas(model)                          # the refused step did not happen: nothing differs
+    return said
+
+
+@pytest.mark.parametrize("variant", ["rebuilt", "new_ddp", "wrapper"])
+def test_an_optimizer_the_state_was_not_given_is_refused_before_replicas_differ(variant):
+    said = run_local(_optimizer_built_again, 2, (variant,), threads=1, timeout=300)
+    if variant != "rebuilt":
+        assert said == [None, None]
+        return
+    for s in said:
+        assert s is not None and "AdamW that ThresholdState(optimizer=...) was not given" in s
+        assert "replicas would differ" in s
+
+
+@pytest.mark.parametrize("opt_name,given", [("adamw", False), ("sgd", False), ("adamw", True)])
+def test_an_adaptive_optimizer_stepping_shared_gradients_is_told_to_be_given(opt_name, given):
+    told = run_local(_gradients_mode_told, 2, (opt_name, given), threads=1, timeout=300)
+    if opt_name == "sgd" or given:                # SGD on shared gradients is the gradients mode's case; updates
+        assert told == [[], []]
+        return
+    for rank in told:                             # once per rank, at the user's opt.step(), naming the fix
+        assert len(rank) == 1
+        message, filename, lineno = rank[0]
+        assert "AdamW then steps on their compressed mean" in message and "optimizer=opt" in message
+        assert filename == __file__
+        with open(__file__) as f:
+            assert "opt.step()" in f.read().splitlines()[lineno - 1]
+
+
 
 def test_several_optimizers_each_share_their_updates_compressed():
     res = run_local(_two_optimizers, 2, (3e-3, True, "both"), threads=1, timeout=300)   # replicas checked inside

@@ -289,12 +289,13 @@ def for_optimizer(optimizer: Optional[torch.optim.Optimizer], own_models: bool =
     return Ternary()
 
 
-def _caller_outside_gradshare() -> int:
+def _caller_outside_gradshare(also: tuple = ()) -> int:
     """The ``stacklevel`` (for a warning raised by this module's caller) of the first frame outside the
-    gradshare package, so that the warning names the user's line whichever front end built the sharing."""
-    package = os.path.dirname(os.path.abspath(__file__))
+    gradshare package (and the packages of the modules ``also``), so that the warning names the user's line
+    whichever front end built the sharing."""
+    packages = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (sys.modules[__package__],) + also)
     frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(packages):
         frame, level = frame.f_back, level + 1
     return level
 

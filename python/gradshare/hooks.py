@@ -19,7 +19,8 @@ hook is DDP's all-reduce (overlapped with backward) and the optimizer steps on t
 Without ``optimizer=`` the hook shares gradients (gradshare.sharing, "gradients"): each DDP bucket's
 gradient is encoded with that bucket's residual and exchanged, and the hook returns the MEAN of what all
 ranks sent, like DDP's allreduce. It launches the exchange and returns a future, so exchanges overlap
-the rest of backward. Adam-like optimizers train worse this way: pass ``optimizer=``.
+the rest of backward. Adam-like optimizers train worse this way: pass ``optimizer=`` (a warning says so
+at the first ``opt.step()`` of one that steps these parameters).
 
 Residuals of the gradients mode are kept per parameter position, not per bucket index: when DDP rebuilds
 its buckets after the first iteration, each new bucket gathers its residual from the parameters' previous
@@ -52,10 +53,12 @@ import inspect
 import sys
 import threading
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gradshare import comm, momentum_masking as masking
 from gradshare._deprecation import RenamedAttribute, renamed_kwargs
@@ -87,7 +90,8 @@ class ThresholdState(SharingFront):
         optimizer: the optimizer that steps the DDP model: share its updates (recommended). Several
             optimizers (a list: Muon for the matrices and AdamW for the rest, say): each one's updates are
             shared with the compression chosen for it, the first one's link-aware choice taken by all. A
-            parameter of the DDP model that no optimizer given steps is all-reduced as DDP does.
+            parameter of the DDP model that no optimizer given steps is all-reduced as DDP does; an optimizer
+            not given that steps parameters a given one steps raises (the replicas would differ).
         bucket_cap_mb: bucket size (fp32 MiB) of the updates mode.
         link: "auto" (default): with ``optimizer=`` and the default compression, steps on which the link
             makes compression slower than DDP's all-reduce are DDP's all-reduce (gradshare.link); None:
@@ -183,6 +187,7 @@ class ThresholdState(SharingFront):
             self._core_of[id(opt)] = sh
             self._handles += [opt.register_step_pre_hook(self._before_step),
                               opt.register_step_post_hook(self._after_step)]
+        _watch_optimizer_steps(self)
 
     def uncovered(self, params) -> List[tuple]:
         """Updates mode: ``(offset, numel)`` of each parameter of a DDP bucket (``params``, in the bucket's
@@ -228,6 +233,7 @@ class ThresholdState(SharingFront):
         self._flagged = False
         self._share_grads: set = set()             # cores whose rank shares its non-finite gradients this step
         self._joined = False                       # in _joined_step (DDP.join(): this rank is out of inputs)
+        self._backward_seen = False                # updates mode: a backward since the optimizer's last step
 
     # -- what the rest of gradshare reads ------------------------------------------------------------
     @property
@@ -297,6 +303,7 @@ class ThresholdState(SharingFront):
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         sh = self._core_of.get(id(optimizer), self.sharing)
+        self._backward_seen = False
         if sh.world_size == 1:
             return
         saved = self._saved_grads.pop(id(sh), None)
@@ -461,6 +468,69 @@ class ThresholdState(SharingFront):
             self.load_state_dict(d["state"])
 
 
+def _watch_optimizer_steps(state: ThresholdState) -> None:
+    """A global optimizer step hook (held by the state, which it holds weakly) that catches a script whose
+    optimizer is not the one the state knows:
+
+    - Updates mode: another optimizer stepping parameters whose updates the state shares, after a backward
+      through the hook, raises before it steps. That backward's gradients are each rank's own (the exchange
+      comes in the given optimizer's step), so its step would make the replicas differ, silently: a script
+      that builds its optimizer again (a new phase, a resume) after ``ThresholdState(optimizer=opt)``. A
+      wrapper of the given optimizer (its ``param_groups``, or ``.optimizer``) is the given one.
+    - Gradients mode: an optimizer of Adam's kin stepping the parameters whose gradients the state shares is
+      told, once, to be given as ``optimizer=``. Written as for torch's own hooks
+      (``PowerSGDState(process_group=None)``), ``ThresholdState()`` trains it on a compressed mean gradient,
+      worse than sharing its updates (README, "What is shared"). It looks until the state's second shared
+      step: every optimizer of the loop has stepped once by then."""
+    from gradshare.compression import ADAPTIVE, _caller_outside_gradshare
+
+    ref = weakref.ref(state)
+    verdicts: Dict[int, bool] = {}             # updates mode: id(optimizer) -> whether it steps shared parameters
+    covered: set = set()
+
+    def holds(opt, ids) -> bool:
+        return any(id(p) in ids for g in opt.param_groups for p in g["params"])
+
+    def given(st, opt) -> bool:
+        return any(opt is o or getattr(opt, "optimizer", None) is o or opt.param_groups is o.param_groups
+                   for o in st.optimizers)
+
+    def look(opt, args, kwargs) -> None:
+        st = ref()
+        if st is None:
+            handle.remove()
+            return
+        if st.mode == "updates":
+            if not st._backward_seen:
+                return
+            foreign = verdicts.get(id(opt))
+            if foreign is None:
+                if not covered:
+                    covered.update(id(p) for sh in st.sharings for b in sh.buckets for p in b.params)
+                foreign = verdicts[id(opt)] = not given(st, opt) and holds(opt, covered)
+            if foreign:
+                raise RuntimeError(
+                    f"gradshare: a {type(opt).__name__} that ThresholdState(optimizer=...) was not given steps "
+                    "parameters whose updates it shares, on each rank's own gradients: the replicas would differ. "
+                    "Give the state the optimizer that steps the model (a script that builds its optimizer again "
+                    "registers the hook on a new DDP model with a new ThresholdState(optimizer=new_opt)).")
+            return
+        if st.sharing.step >= 2:
+            handle.remove()
+            return
+        if not isinstance(opt, ADAPTIVE) or not holds(opt, st._home):
+            return
+        handle.remove()
+        name = type(opt).__name__
+        warnings.warn(f"gradshare: ThresholdState() without optimizer= shares gradients, and {name} then steps on "
+                      f"their compressed mean, which trains {name} worse than sharing its updates. Pass the "
+                      "optimizer: ThresholdState(optimizer=opt).", UserWarning,
+                      stacklevel=_caller_outside_gradshare(also=(torch,)))
+
+    handle = register_optimizer_step_pre_hook(look)
+    weakref.finalize(state, handle.remove)
+
+
 def _done(t: torch.Tensor) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(t)
@@ -569,6 +639,7 @@ def _updates_exchange(state: ThresholdState, bucket, buf: torch.Tensor) -> torch
     any did, makes this rank's last bucket non-finite too, so that every rank sees it (a GradScaler then skips
     the step everywhere, as with DDP)."""
     if bucket.index() == 0:
+        state._backward_seen = True
         for sh in state.sharings:                  # the first step's first collective: ranks agree their configuration
             sh.agree_all()
         state._backward_allreduce = state.sharing.allreduce_now()
