@@ -46,6 +46,38 @@ def test_wrappers_are_torch_optimizers_over_the_inner_groups(wrapper):
         _wrappers()[wrapper](model, opt)
 
 
+def _inner_stepped_directly(wrapper):
+    model = net()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = _wrappers()[wrapper](model, inner)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for i in range(2):
+        x, y = batch(rank, i)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    before = flat(model)
+    x, y = batch(rank, 2)
+    F.cross_entropy(model(x), y).backward()
+    try:
+        inner.step()                             # a script that steps the inner optimizer by mistake
+        said = None
+    except RuntimeError as e:
+        said = str(e)
+    return said, bool((before == flat(model)).all())
+
+
+@pytest.mark.parametrize("wrapper", sorted(_wrappers()))
+def test_the_inner_optimizer_stepped_directly_is_refused_while_its_wrapper_shares(wrapper):
+    # Two ranks: nothing would be shared, each rank stepping on its own gradient; refused before it steps.
+    for said, unchanged in run_local(_inner_stepped_directly, 2, (wrapper,), threads=1, timeout=120):
+        assert said is not None and f"AdamW.step() was called directly, but a {wrapper.split()[0]} wraps it" in said
+        assert unchanged
+    # One process: nothing to share, so the inner optimizer may step on its own.
+    said, unchanged = _inner_stepped_directly(wrapper)
+    assert said is None and not unchanged
+
+
 @pytest.mark.parametrize("wrapper", sorted(_wrappers()))
 @pytest.mark.parametrize("scheduler", sorted(_schedulers()))
 def test_scheduler_on_the_wrapper_gives_the_plain_optimizers_lr_sequence(wrapper, scheduler):

@@ -75,7 +75,7 @@ from gradshare.compression import Dense
 from gradshare.costmodel import ring_allreduce_bytes
 from gradshare.sharing import Sharing
 from gradshare.stats import Statistics
-from gradshare.wrapped_optimizer import WrappedOptimizer
+from gradshare.wrapped_optimizer import WrappedOptimizer, steps_the_inner_optimizer
 
 
 class ParameterAveraging(WrappedOptimizer):
@@ -192,6 +192,7 @@ class ParameterAveraging(WrappedOptimizer):
         self._start_unchecked = False  # ... held at a step, not where a round ended: compared across ranks
 
     # ------------------------------------------------------------------------------------ optimizer API
+    @steps_the_inner_optimizer
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One optimizer step; then an averaging round when one is due. Returns the closure's loss."""
         if self.sharing is not None and not self._round_open:
@@ -301,6 +302,9 @@ class ParameterAveraging(WrappedOptimizer):
         if not (dist.is_available() and dist.is_initialized()):
             return 1
         return dist.get_world_size(self.process_group)
+
+    def _ranks(self) -> int:
+        return self.world_size
 
     def tensors(self) -> List[torch.Tensor]:
         """What a round averages, in a fixed order: parameters, floating buffers, optimizer state."""

@@ -57,7 +57,7 @@ from gradshare.compression import Strom
 from gradshare.sharing import Sharing, SharingFront
 from gradshare.stats import Statistics
 from gradshare.thresholds import ResidualClipping
-from gradshare.wrapped_optimizer import WrappedOptimizer
+from gradshare.wrapped_optimizer import WrappedOptimizer, steps_the_inner_optimizer
 
 MODES = ("updates", "gradients")
 _DEFAULT = object()
@@ -183,6 +183,7 @@ class SharedOptimizer(SharingFront, WrappedOptimizer, Joinable):
                                                                  inv.to(device))
         return False
 
+    @steps_the_inner_optimizer
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = None
         if closure is not None:
@@ -225,6 +226,9 @@ class SharedOptimizer(SharingFront, WrappedOptimizer, Joinable):
             self.optimizer.step()
         sh.share_updates(share_grads=bad_here, joined=self._joined)
         return loss
+
+    def _ranks(self) -> int:
+        return self.sharing.world_size
 
     # -- uneven inputs (torch.distributed.algorithms.join) ---------------------------------------------------
     def join_hook(self, **kwargs) -> JoinHook:

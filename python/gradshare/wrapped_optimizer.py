@@ -13,7 +13,9 @@ then only the inner optimizer's state is loaded and gradshare's is left as it is
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional, Tuple
+import functools
+import weakref
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
@@ -35,6 +37,13 @@ class WrappedOptimizer(torch.optim.Optimizer):
                             "torch optimizer itself")
         self.optimizer = optimizer
         torch.optim.Optimizer.__setstate__(self, {})
+        self._stepping = 0                        # inside this wrapper's step(): the inner one may step
+        optimizer.register_step_pre_hook(_only_through_wrapper(weakref.ref(self)))
+
+    def _ranks(self) -> int:
+        """How many ranks this wrapper's steps keep alike (with one, a direct step of the inner optimizer
+        loses nothing)."""
+        raise NotImplementedError
 
     # The inner optimizer's (torch.optim.Optimizer.load_state_dict replaces its param_groups list: read
     # through, never copy).
@@ -97,6 +106,38 @@ class WrappedOptimizer(torch.optim.Optimizer):
         if own is not None:
             self._load_gradshare_state(own)
         self.optimizer.load_state_dict(inner)
+
+
+def steps_the_inner_optimizer(step: Callable) -> Callable:
+    """For a wrapper's ``step()``: the inner optimizer's own ``step()`` is allowed inside it (and refused outside
+    it, :func:`_only_through_wrapper`)."""
+
+    @functools.wraps(step)
+    def run(self, *args, **kwargs):
+        self._stepping += 1
+        try:
+            return step(self, *args, **kwargs)
+        finally:
+            self._stepping -= 1
+
+    return run
+
+
+def _only_through_wrapper(ref: "weakref.ReferenceType[WrappedOptimizer]") -> Callable:
+    """The inner optimizer's step pre-hook: a direct ``inner.step()`` while its wrapper lives and shares with
+    other ranks raises before it steps. It would step each rank on its own gradient, with no exchange (and,
+    for ParameterAveraging, no round ever due): the replicas would drift apart, silently."""
+
+    def hook(opt, args, kwargs) -> None:
+        w = ref()
+        if w is None or w._stepping or w._ranks() <= 1:
+            return
+        inner, outer = type(opt).__name__, type(w).__name__
+        raise RuntimeError(f"gradshare: {inner}.step() was called directly, but a {outer} wraps it: call the "
+                           f"{outer}'s step() (give the {outer} to a GradScaler, scheduler or training framework "
+                           f"too). Stepped directly, each rank steps on its own gradient and nothing is shared.")
+
+    return hook
 
 
 def split_state_dict(state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
