@@ -407,25 +407,71 @@ ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, const float* re
 
 namespace {
 
-// |x| summed per lane over rows of kLanes elements (lane j: elements j, j+32, ... in turn); `keep` (or null)
-// zeroes the elements not counted. Branch-free rows of 32, so the compiler vectorises them; adding +0.0
-// leaves a lane sum unchanged, so this is exactly element.h's order.
-template <bool KEEP>
-inline float lane_abs_sum(const float* u, int64_t len, const uint8_t* keep) {
+// Ternary's chunk sums in element.h's order: 32 lanes, lane l adding elements l, l + 32, ... in turn (rows of 32,
+// then the tail's elements in their lanes). Each is fused into a pass the chunk needs anyway, so a chunk is
+// read from memory once and walked twice in cache: the load with the sum of |u|, then the flags with the sum of
+// the sent |u| and their count.
+
+// u = residual + input for one chunk into `u` (with momentum the input, the new velocity, into mo.out too), and
+// *sum = the chunk's sum of |u|; returns the first non-finite local index or -1 (the sum is then meaningless).
+template <int DT, bool MOM>
+int64_t load_abs_sum_t(const void* update, const Momentum& mo, const float* residual, int64_t lo, int64_t len,
+                       float* u, float* sum) {
   float acc[kLanes] = {0.0f};
+  int32_t bad = 0;
+  auto one = [&](int64_t j, int l) {
+    const float w = input_at<DT, MOM>(update, mo, lo + j);
+    if (MOM) mo.out[lo + j] = w;
+    const float x = residual[lo + j] + w;
+    u[j] = x;
+    bad |= static_cast<int32_t>(!(x - x == 0.0f));  // x - x is 0 unless x is NaN/Inf
+    acc[l] += x < 0.0f ? -x : x;
+  };
   const int64_t rows = len / kLanes;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* x = u + r * kLanes;
-    for (int l = 0; l < kLanes; ++l) {
-      const float a = x[l] < 0.0f ? -x[l] : x[l];
-      acc[l] += KEEP ? keep_or_zero(a, keep[r * kLanes + l]) : a;
-    }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int l = 0; l < kLanes; ++l) one(r * kLanes + l, l);  // a constant trip count: vector code
+  for (int64_t j = rows * kLanes; j < len; ++j) one(j, static_cast<int>(j - rows * kLanes));
+  *sum = lane_tree(acc);
+  if (!bad) return -1;
+  for (int64_t j = 0; j < len; ++j)
+    if (!is_finite(u[j])) return j;
+  return -1;
+}
+
+template <bool MOM>
+int64_t load_abs_sum_m(const void* update, int32_t dtype, const Momentum& mo, const float* residual, int64_t lo,
+                       int64_t len, float* u, float* sum) {
+  switch (dtype) {
+    case kFloat16: return load_abs_sum_t<kFloat16, MOM>(update, mo, residual, lo, len, u, sum);
+    case kBFloat16: return load_abs_sum_t<kBFloat16, MOM>(update, mo, residual, lo, len, u, sum);
+    default: return load_abs_sum_t<kFloat32, MOM>(update, mo, residual, lo, len, u, sum);
   }
-  for (int64_t j = rows * kLanes; j < len; ++j) {
-    const float a = u[j] < 0.0f ? -u[j] : u[j];
-    acc[j - rows * kLanes] += KEEP ? keep_or_zero(a, keep[j]) : a;
-  }
-  return lane_tree(acc);
+}
+
+int64_t load_abs_sum(const void* update, int32_t dtype, const Momentum& mo, const float* residual, int64_t lo,
+                     int64_t len, float* u, float* sum) {
+  return mo.velocity ? load_abs_sum_m<true>(update, dtype, mo, residual, lo, len, u, sum)
+                     : load_abs_sum_m<false>(update, dtype, mo, residual, lo, len, u, sum);
+}
+
+// Which elements of u[0, len) are sent at threshold th (sent[j], and negative[j] where sent and u < 0); returns
+// their count, *sent_sum = the sum of their |u| (an element not sent adds +0.0, which leaves a lane unchanged).
+int64_t ternary_flags(const float* u, int64_t len, float th, uint8_t* sent, uint8_t* negative, float* sent_sum) {
+  float acc[kLanes] = {0.0f};
+  int64_t cnt = 0;
+  auto one = [&](int64_t j, int l) {
+    const uint8_t s = static_cast<uint8_t>(ternary_sent(u[j], th));
+    sent[j] = s;
+    negative[j] = s & static_cast<uint8_t>(u[j] < 0.0f);
+    acc[l] += keep_or_zero(u[j] < 0.0f ? -u[j] : u[j], s);
+    cnt += s;
+  };
+  const int64_t rows = len / kLanes;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int l = 0; l < kLanes; ++l) one(r * kLanes + l, l);
+  for (int64_t j = rows * kLanes; j < len; ++j) one(j, static_cast<int>(j - rows * kLanes));
+  *sent_sum = lane_tree(acc);
+  return cnt;
 }
 
 // What a ternary element keeps: u minus +-scale where it was sent (x - 0.0f is x, so no branch on unsent).
@@ -489,16 +535,11 @@ ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, const float*
 #endif
     for (int64_t c = 0; c < nch; ++c) {
       const int64_t lo = c * chunk, len = chunk_len(n, chunk, c);
-      bad[c] = load(update, dtype, mo, residual, lo, len, u.data());
+      float sum = 0.0f, sent_sum = 0.0f;
+      bad[c] = load_abs_sum(update, dtype, mo, residual, lo, len, u.data(), &sum);
       if (bad[c] >= 0) continue;
-      const float th = fraction * (lane_abs_sum<false>(u.data(), len, nullptr) / static_cast<float>(len));
-      int64_t cnt = 0;
-      for (int64_t j = 0; j < len; ++j) {
-        const uint8_t s = static_cast<uint8_t>(ternary_sent(u[j], th));
-        sent[j] = s;
-        negative[j] = s & static_cast<uint8_t>(u[j] < 0.0f);
-        cnt += s;
-      }
+      const float th = fraction * (sum / static_cast<float>(len));
+      const int64_t cnt = ternary_flags(u.data(), len, th, sent.data(), negative.data(), &sent_sum);
       // The code words, 64 elements at a time from their packed masks (a chunk's last block zero-padded).
       int32_t* w = payload + c * per_full;
       for (int64_t b = 0; b < len; b += 64) {
@@ -512,13 +553,18 @@ ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, const float*
           write_code_words(w + 1 + b / 16, pack_flags(ps), pack_flags(ns), (m + 15) / 16);
         }
       }
-      w[0] = float_to_bits(cnt ? lane_abs_sum<true>(u.data(), len, sent.data()) / static_cast<float>(cnt) : 0.0f);
+      w[0] = float_to_bits(cnt ? sent_sum / static_cast<float>(cnt) : 0.0f);
       entries[c] = cnt;
-      if (mo.velocity)
-        for (int64_t j = 0; j < len; ++j) mo.out[lo + j] = keep_or_zero(mo.out[lo + j], !sent[j]);  // factor masking
-      if (direct) {
-        const float scale = bits_to_float(w[0]);
+      const float scale = bits_to_float(w[0]);
+      if (direct && mo.velocity) {
+        for (int64_t j = 0; j < len; ++j) {
+          kept[lo + j] = ternary_kept(u[j], sent[j], u[j] < 0.0f, scale);
+          mo.out[lo + j] = keep_or_zero(mo.out[lo + j], !sent[j]);  // factor masking
+        }
+      } else if (direct) {
         for (int64_t j = 0; j < len; ++j) kept[lo + j] = ternary_kept(u[j], sent[j], u[j] < 0.0f, scale);
+      } else if (mo.velocity) {
+        for (int64_t j = 0; j < len; ++j) mo.out[lo + j] = keep_or_zero(mo.out[lo + j], !sent[j]);
       }
     }
   }

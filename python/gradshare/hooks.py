@@ -485,7 +485,7 @@ def _watch_optimizer_steps(state: ThresholdState) -> None:
     from gradshare.compression import ADAPTIVE, _caller_outside_gradshare
 
     ref = weakref.ref(state)
-    verdicts: Dict[int, bool] = {}             # updates mode: id(optimizer) -> whether it steps shared parameters
+    verdicts: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()  # optimizer -> steps shared params
     covered: set = set()
 
     def holds(opt, ids) -> bool:
@@ -503,11 +503,11 @@ def _watch_optimizer_steps(state: ThresholdState) -> None:
         if st.mode == "updates":
             if not st._backward_seen:
                 return
-            foreign = verdicts.get(id(opt))
+            foreign = verdicts.get(opt)
             if foreign is None:
                 if not covered:
                     covered.update(id(p) for sh in st.sharings for b in sh.buckets for p in b.params)
-                foreign = verdicts[id(opt)] = not given(st, opt) and holds(opt, covered)
+                foreign = verdicts[opt] = not given(st, opt) and holds(opt, covered)
             if foreign:
                 raise RuntimeError(
                     f"gradshare: a {type(opt).__name__} that ThresholdState(optimizer=...) was not given steps "
