@@ -18,6 +18,7 @@
 #include <functional>
 #include <vector>
 
+#include "cpu/clones.h"
 #include "cpu/code_word.h"
 #include "cpu/parallel.h"
 #include "gradshare/kernels.h"
@@ -415,7 +416,7 @@ namespace {
 // u = residual + input for one chunk into `u` (with momentum the input, the new velocity, into mo.out too), and
 // *sum = the chunk's sum of |u|; returns the first non-finite local index or -1 (the sum is then meaningless).
 template <int DT, bool MOM>
-int64_t load_abs_sum_t(const void* update, const Momentum& mo, const float* residual, int64_t lo, int64_t len,
+GS_AVX2_CLONES int64_t load_abs_sum_t(const void* update, const Momentum& mo, const float* residual, int64_t lo, int64_t len,
                        float* u, float* sum) {
   float acc[kLanes] = {0.0f};
   int32_t bad = 0;
@@ -456,7 +457,7 @@ int64_t load_abs_sum(const void* update, int32_t dtype, const Momentum& mo, cons
 
 // Which elements of u[0, len) are sent at threshold th (sent[j], and negative[j] where sent and u < 0); returns
 // their count, *sent_sum = the sum of their |u| (an element not sent adds +0.0, which leaves a lane unchanged).
-int64_t ternary_flags(const float* u, int64_t len, float th, uint8_t* sent, uint8_t* negative, float* sent_sum) {
+GS_AVX2_CLONES int64_t ternary_flags(const float* u, int64_t len, float th, uint8_t* sent, uint8_t* negative, float* sent_sum) {
   float acc[kLanes] = {0.0f};
   int64_t cnt = 0;
   auto one = [&](int64_t j, int l) {
@@ -479,8 +480,24 @@ inline float ternary_kept(float u, bool sent, bool negative, float scale) {
   return u - keep_or_zero(negated_if(scale, negative), sent);
 }
 
+// One chunk's end (phase 1): kept = u minus +-scale where sent (`kept` null: in place, phase 2 does it), and
+// with momentum the new velocity zeroed where sent (factor masking; `velocity` null: none).
+GS_AVX2_CLONES void ternary_keep(const float* u, const uint8_t* sent, int64_t len, float scale, float* kept,
+                                 float* velocity) {
+  if (kept && velocity) {
+    for (int64_t j = 0; j < len; ++j) {
+      kept[j] = ternary_kept(u[j], sent[j], u[j] < 0.0f, scale);
+      velocity[j] = keep_or_zero(velocity[j], !sent[j]);
+    }
+  } else if (kept) {
+    for (int64_t j = 0; j < len; ++j) kept[j] = ternary_kept(u[j], sent[j], u[j] < 0.0f, scale);
+  } else if (velocity) {
+    for (int64_t j = 0; j < len; ++j) velocity[j] = keep_or_zero(velocity[j], !sent[j]);
+  }
+}
+
 template <int DT, bool MOM>
-void ternary_residual(const void* update, const Momentum& mo, const float* residual, float* kept, int64_t lo,
+GS_AVX2_CLONES void ternary_residual(const void* update, const Momentum& mo, const float* residual, float* kept, int64_t lo,
                       int64_t len, const int32_t* w) {
   const float scale = bits_to_float(w[0]);
   const int64_t words = (len + 15) / 16;
@@ -555,17 +572,8 @@ ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, const float*
       }
       w[0] = float_to_bits(cnt ? sent_sum / static_cast<float>(cnt) : 0.0f);
       entries[c] = cnt;
-      const float scale = bits_to_float(w[0]);
-      if (direct && mo.velocity) {
-        for (int64_t j = 0; j < len; ++j) {
-          kept[lo + j] = ternary_kept(u[j], sent[j], u[j] < 0.0f, scale);
-          mo.out[lo + j] = keep_or_zero(mo.out[lo + j], !sent[j]);  // factor masking
-        }
-      } else if (direct) {
-        for (int64_t j = 0; j < len; ++j) kept[lo + j] = ternary_kept(u[j], sent[j], u[j] < 0.0f, scale);
-      } else if (mo.velocity) {
-        for (int64_t j = 0; j < len; ++j) mo.out[lo + j] = keep_or_zero(mo.out[lo + j], !sent[j]);
-      }
+      ternary_keep(u.data(), sent.data(), len, bits_to_float(w[0]), direct ? kept + lo : nullptr,
+                   mo.velocity ? mo.out + lo : nullptr);
     }
   }
   const int64_t b = first_bad(bad, chunk);

@@ -2,6 +2,7 @@
 // touched, so a corrupt or hostile message raises and leaves dst exactly as it was.
 #include <algorithm>
 #include <string>
+#include "cpu/clones.h"
 #include "cpu/code_word.h"
 #include "cpu/parallel.h"
 #include "gradshare/kernels.h"
@@ -61,6 +62,13 @@ void validate_chunked(const int32_t* msg, int64_t m, int64_t n, float scale) {
     fail(m, "ternary codes hold " + std::to_string(total) + " entries but the header says " + std::to_string(k));
 }
 
+// d[0, len) += the ternary code words w (16 elements each, the last one's first len % 16), each present
+// element +-v: one chunk of a ternary message.
+GS_AVX2_CLONES void add_code_words(float* d, const int32_t* w, float v, int64_t len) {
+  for (int64_t q = 0; q < (len + 15) / 16; ++q)
+    add_code_word(d + q * 16, static_cast<uint32_t>(w[q]), v, std::min<int64_t>(16, len - q * 16));
+}
+
 void apply_chunked(float* dst, const int32_t* msg, int64_t n, float scale) {
   const int64_t chunk = msg[3], k = msg[4], nch = (n + chunk - 1) / chunk;
   const int32_t* p = msg + kHeaderWords;
@@ -94,9 +102,7 @@ void apply_chunked(float* dst, const int32_t* msg, int64_t n, float scale) {
       }
       continue;
     }
-    const float v = bits_to_float(w[0]) * scale;
-    for (int64_t q = 0; q < (len + 15) / 16; ++q)
-      add_code_word(d + q * 16, static_cast<uint32_t>(w[1 + q]), v, std::min<int64_t>(16, len - q * 16));
+    add_code_words(d, w + 1, bits_to_float(w[0]) * scale, len);
   }
 }
 

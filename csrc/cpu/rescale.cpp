@@ -3,6 +3,7 @@
 // moments and the squared mean gradshare keeps for them (rescale_cpu); RMSprop, Adagrad, Adadelta, Adamax and Adafactor from the mean gradient gradshare
 // keeps for them (rescale_tracked_cpu). The element logic is element.h's (adam_excess, change_excess,
 // tracked_excess), shared with csrc/cuda/rescale.cu.
+#include "cpu/clones.h"
 #include "cpu/parallel.h"
 #include "gradshare/kernels.h"
 
@@ -15,7 +16,7 @@ namespace {
 // is a template flag too, and its element goes through a local: the element functions' null test of the
 // signal then folds away at compile time (a test per element kept these loops from vectorising, 3-4x slower).
 template <bool Adam, bool ChangeIsTarget, bool Decay, bool AfterIsTarget, bool Signal>
-void rescale_chunk(const float* __restrict__ exp_avg, const float* __restrict__ exp_avg_sq,
+GS_AVX2_CLONES void rescale_chunk(const float* __restrict__ exp_avg, const float* __restrict__ exp_avg_sq,
                    const float* __restrict__ change, const float* __restrict__ after, float* __restrict__ signal,
                    float* __restrict__ target, int64_t lo, int64_t hi, const RescaleArgs a) {
   for (int64_t i = lo; i < hi; ++i) {
@@ -54,7 +55,7 @@ Chunk rescale_form(bool adam, bool decay, bool cit, bool ait) {
 // One chunk of a tracked step. Alias 1: change is the target; 2: after is the target (read through it, as
 // above); 0: neither.
 template <int Kind, bool Centered, bool Momentum, bool Decay, int Alias, bool Signal>
-void tracked_chunk(const float* __restrict__ grad, const float* __restrict__ change, const float* __restrict__ after,
+GS_AVX2_CLONES void tracked_chunk(const float* __restrict__ grad, const float* __restrict__ change, const float* __restrict__ after,
                    const float* __restrict__ second, const float* __restrict__ grad_avg, float* __restrict__ mean,
                    float* __restrict__ extra, float* __restrict__ signal, float* __restrict__ target, int64_t lo,
                    int64_t hi, const TrackedArgs a) {
