@@ -416,8 +416,8 @@ namespace {
 // u = residual + input for one chunk into `u` (with momentum the input, the new velocity, into mo.out too), and
 // *sum = the chunk's sum of |u|; returns the first non-finite local index or -1 (the sum is then meaningless).
 template <int DT, bool MOM>
-GS_AVX2_CLONES int64_t load_abs_sum_t(const void* update, const Momentum& mo, const float* residual, int64_t lo, int64_t len,
-                       float* u, float* sum) {
+GS_AVX2_CLONES int64_t load_abs_sum_t(const void* update, const Momentum& mo, const float* residual, int64_t lo,
+                                      int64_t len, float* u, float* sum) {
   float acc[kLanes] = {0.0f};
   int32_t bad = 0;
   auto one = [&](int64_t j, int l) {
@@ -457,7 +457,8 @@ int64_t load_abs_sum(const void* update, int32_t dtype, const Momentum& mo, cons
 
 // Which elements of u[0, len) are sent at threshold th (sent[j], and negative[j] where sent and u < 0); returns
 // their count, *sent_sum = the sum of their |u| (an element not sent adds +0.0, which leaves a lane unchanged).
-GS_AVX2_CLONES int64_t ternary_flags(const float* u, int64_t len, float th, uint8_t* sent, uint8_t* negative, float* sent_sum) {
+GS_AVX2_CLONES int64_t ternary_flags(const float* u, int64_t len, float th, uint8_t* sent, uint8_t* negative,
+                                     float* sent_sum) {
   float acc[kLanes] = {0.0f};
   int64_t cnt = 0;
   auto one = [&](int64_t j, int l) {
@@ -497,8 +498,8 @@ GS_AVX2_CLONES void ternary_keep(const float* u, const uint8_t* sent, int64_t le
 }
 
 template <int DT, bool MOM>
-GS_AVX2_CLONES void ternary_residual(const void* update, const Momentum& mo, const float* residual, float* kept, int64_t lo,
-                      int64_t len, const int32_t* w) {
+GS_AVX2_CLONES void ternary_residual(const void* update, const Momentum& mo, const float* residual, float* kept,
+                                    int64_t lo, int64_t len, const int32_t* w) {
   const float scale = bits_to_float(w[0]);
   const int64_t words = (len + 15) / 16;
   for (int64_t q = 0; q < words; ++q) {

@@ -17,8 +17,9 @@ namespace {
 // signal then folds away at compile time (a test per element kept these loops from vectorising, 3-4x slower).
 template <bool Adam, bool ChangeIsTarget, bool Decay, bool AfterIsTarget, bool Signal>
 GS_AVX2_CLONES void rescale_chunk(const float* __restrict__ exp_avg, const float* __restrict__ exp_avg_sq,
-                   const float* __restrict__ change, const float* __restrict__ after, float* __restrict__ signal,
-                   float* __restrict__ target, int64_t lo, int64_t hi, const RescaleArgs a) {
+                                  const float* __restrict__ change, const float* __restrict__ after,
+                                  float* __restrict__ signal, float* __restrict__ target, int64_t lo, int64_t hi,
+                                  const RescaleArgs a) {
   for (int64_t i = lo; i < hi; ++i) {
     const float t = target[i];
     float sv = Signal ? signal[i] : 0.0f;
@@ -55,10 +56,11 @@ Chunk rescale_form(bool adam, bool decay, bool cit, bool ait) {
 // One chunk of a tracked step. Alias 1: change is the target; 2: after is the target (read through it, as
 // above); 0: neither.
 template <int Kind, bool Centered, bool Momentum, bool Decay, int Alias, bool Signal>
-GS_AVX2_CLONES void tracked_chunk(const float* __restrict__ grad, const float* __restrict__ change, const float* __restrict__ after,
-                   const float* __restrict__ second, const float* __restrict__ grad_avg, float* __restrict__ mean,
-                   float* __restrict__ extra, float* __restrict__ signal, float* __restrict__ target, int64_t lo,
-                   int64_t hi, const TrackedArgs a) {
+GS_AVX2_CLONES void tracked_chunk(const float* __restrict__ grad, const float* __restrict__ change,
+                                  const float* __restrict__ after, const float* __restrict__ second,
+                                  const float* __restrict__ grad_avg, float* __restrict__ mean,
+                                  float* __restrict__ extra, float* __restrict__ signal, float* __restrict__ target,
+                                  int64_t lo, int64_t hi, const TrackedArgs a) {
   const bool own = Kind == kRmsprop || Kind == kAdagrad || Kind == kAdadelta;
   const bool has_extra = Kind == kAdagrad || Kind == kAdamax || Kind == kAdafactor || Momentum;
   for (int64_t i = lo; i < hi; ++i) {
