@@ -109,6 +109,26 @@ def test_topk_selection_of_large_chunks_matches_reference(kind, k, values):
             assert int((out[lo:lo + 65536] != 0).sum()) == kc
 
 
+# Chunk by chunk scales for the floor a thread carries from one chunk's selection to the next one's
+# (csrc/cpu/chunked.cpp, select_topk): alike chunks (the floor holds), chunks 2x and 1000x smaller (some but fewer
+# than k candidates, or none: sampled instead), 1000x larger (past the cap), all zeros (no floor), and back.
+FLOOR_SCALES = [1.0, 1.0, 1.0, 0.5, 1e-3, 1e-3, 1e3, 1e3, 0.0, 1.0, 2.0, 0.7, 1.0]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("k", [1, 66, 1311, 4096])
+@pytest.mark.parametrize("values", ["int8", "sign"])
+def test_topk_selection_from_the_last_chunks_floor_matches_reference(threads, k, values):
+    n = len(FLOOR_SCALES) * 65536 - 4000
+    update, residual = _hard_chunks("normal", n)
+    scale = torch.tensor(FLOOR_SCALES).repeat_interleave(65536)[:n]
+    gradshare.set_num_threads(threads)
+    try:
+        _both(_topk, R.encode_topk, update * scale, residual * scale, k, 65536, values)
+    finally:
+        gradshare.set_num_threads(2)
+
+
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("chunk", [16, 64, 4096])
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0, 7.5])

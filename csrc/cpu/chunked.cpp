@@ -33,17 +33,26 @@
 namespace gs {
 namespace {
 
+struct Collector;
+void collect(Collector& col, const float* u, int64_t b, int64_t m);
+
 // u = residual + input for one chunk into `u` (with momentum the input, the new velocity, into mo.out too);
-// returns the first non-finite local index or -1.
+// returns the first non-finite local index or -1. With a collector, top-k's candidates are collected from each
+// 64-element block of u as it is written (in L1 still), which spares the selection a pass over the chunk.
 template <int DT, bool MOM>
-int64_t load_chunk(const void* update, const Momentum& mo, const float* residual, int64_t lo, int64_t len, float* u) {
+int64_t load_chunk(const void* update, const Momentum& mo, const float* residual, int64_t lo, int64_t len, float* u,
+                   Collector* col) {
   int32_t bad = 0;
-  for (int64_t j = 0; j < len; ++j) {
-    const float w = input_at<DT, MOM>(update, mo, lo + j);
-    if (MOM) mo.out[lo + j] = w;
-    const float x = residual[lo + j] + w;
-    u[j] = x;
-    bad |= static_cast<int32_t>(!(x - x == 0.0f));  // x - x is 0 unless x is NaN/Inf
+  for (int64_t b = 0; b < len; b += 64) {
+    const int64_t m = std::min<int64_t>(64, len - b);
+    for (int64_t j = b; j < b + m; ++j) {
+      const float w = input_at<DT, MOM>(update, mo, lo + j);
+      if (MOM) mo.out[lo + j] = w;
+      const float x = residual[lo + j] + w;
+      u[j] = x;
+      bad |= static_cast<int32_t>(!(x - x == 0.0f));  // x - x is 0 unless x is NaN/Inf
+    }
+    if (col) collect(*col, u, b, m);
   }
   if (!bad) return -1;
   for (int64_t j = 0; j < len; ++j)
@@ -53,18 +62,18 @@ int64_t load_chunk(const void* update, const Momentum& mo, const float* residual
 
 template <bool MOM>
 int64_t load_t(const void* update, int32_t dtype, const Momentum& mo, const float* residual, int64_t lo, int64_t len,
-               float* u) {
+               float* u, Collector* col) {
   switch (dtype) {
-    case kFloat16: return load_chunk<kFloat16, MOM>(update, mo, residual, lo, len, u);
-    case kBFloat16: return load_chunk<kBFloat16, MOM>(update, mo, residual, lo, len, u);
-    default: return load_chunk<kFloat32, MOM>(update, mo, residual, lo, len, u);
+    case kFloat16: return load_chunk<kFloat16, MOM>(update, mo, residual, lo, len, u, col);
+    case kBFloat16: return load_chunk<kBFloat16, MOM>(update, mo, residual, lo, len, u, col);
+    default: return load_chunk<kFloat32, MOM>(update, mo, residual, lo, len, u, col);
   }
 }
 
 int64_t load(const void* update, int32_t dtype, const Momentum& mo, const float* residual, int64_t lo, int64_t len,
-             float* u) {
-  return mo.velocity ? load_t<true>(update, dtype, mo, residual, lo, len, u)
-                     : load_t<false>(update, dtype, mo, residual, lo, len, u);
+             float* u, Collector* col) {
+  return mo.velocity ? load_t<true>(update, dtype, mo, residual, lo, len, u, col)
+                     : load_t<false>(update, dtype, mo, residual, lo, len, u, col);
 }
 
 // kept[lo, lo + len) = residual + input (phase 2 in place: the chunk's u again).
@@ -119,6 +128,11 @@ struct TopkScratch {
   std::vector<int32_t> cand, picked, merged;
   std::vector<uint64_t> keys;
   std::vector<uint32_t> mags;
+  // The candidates' floor for the next chunk this thread loads (0: none): the magnitude that about as many of the
+  // last selected chunk's elements reached as a floor aims for. Neighbouring chunks are mostly one tensor's, so
+  // most chunks collect their candidates while they load; where the floor misleads, the chunk is sampled. The
+  // selection is exact from any floor, so what a thread selected before changes no bit.
+  uint32_t guess = 0;
 };
 
 // The bin holding the kc-th largest of the counted elements, given `above` of them in higher bins already;
@@ -138,13 +152,19 @@ uint64_t kth_key_in_bin(const int32_t* cand, int64_t nc, Mag mag, uint32_t b1, i
   uint32_t hist[kRadixBins] = {};
   for (int64_t i = 0; i < nc; ++i) hist[(mag(i) >> 9) & (kRadixBins - 1)] += (mag(i) >> 20) == b1;
   const uint32_t b2 = bin_of_kth(hist, kc, above);
-  keys.clear();
-  for (int64_t i = 0; i < nc; ++i)
-    if ((mag(i) >> 20) == b1 && ((mag(i) >> 9) & (kRadixBins - 1)) == b2)
-      keys.push_back(topk_key_of_magnitude(mag(i), cand[i]));
-  const int64_t need = kc - above;  // >= 1: the largest `need` of `keys` complete the selection
-  std::nth_element(keys.begin(), keys.begin() + (need - 1), keys.end(), std::greater<uint64_t>());
-  return keys[static_cast<size_t>(need - 1)];
+  // The candidates in both bins (magnitudes below 2^31: their top 22 bits are the two bins), without branches:
+  // every key is written, and the count moves only where it belongs.
+  const uint32_t both = (b1 << 11) | b2;
+  keys.resize(static_cast<size_t>(nc));
+  uint64_t* k = keys.data();
+  int64_t nk = 0;
+  for (int64_t i = 0; i < nc; ++i) {
+    k[nk] = topk_key_of_magnitude(mag(i), cand[i]);
+    nk += (mag(i) >> 9) == both;
+  }
+  const int64_t need = kc - above;  // >= 1: the largest `need` of the nk keys complete the selection
+  std::nth_element(k, k + (need - 1), k + nk, std::greater<uint64_t>());
+  return k[need - 1];
 }
 
 void select_topk_radix(const float* u, int64_t len, int64_t kc, TopkScratch& s, int32_t* sel) {
@@ -209,61 +229,73 @@ inline uint64_t at_least_bits(const float* u, int64_t len, uint32_t low) {
   return bits;
 }
 
-// The same selection as select_topk_radix, found from a sample. The magnitude that about twice kc of the
-// chunk's elements reach is read off kSample elements spread over the chunk; one pass of vector compares then
-// collects every element at or above it (the candidates, a few percent of the chunk at the densities used),
-// and the radix steps run on the candidates alone to find the kc-th largest key T. Every element outside the
-// candidates is below all of them, so when there are at least kc candidates the kc largest keys are among
-// them, and the selection, the candidates with a key >= T, is exactly the radix one. Otherwise (fewer than kc
-// candidates, more than a quarter of the chunk, or a sampled magnitude of 0: many zeros), the radix
-// selection runs. The histograms of the radix selection cost a counter update per element, and its split a
-// scalar pass over every 16 elements that hold a large one (a third of them at 2%): this reads each element
-// once, four to a compare.
+// The same selection as select_topk_radix, found from candidates: every element at or above a floor, collected
+// 64 at a time with vector compares (a few percent of the chunk at the densities used), on which alone the radix
+// steps find the kc-th largest key T. Every element outside the candidates is below all of them, so when there
+// are at least kc candidates the kc largest keys are among them, and the selection, the candidates with a key >=
+// T, is exactly the radix one. The floor is the thread's guess from its last chunk, collected while the chunk
+// loads (encode_topk_cpu), or else the magnitude that about twice kc of the chunk's elements reach, read off
+// kSample elements spread over it and collected in a pass over the chunk. Where neither gives between kc
+// candidates and a quarter of the chunk (or the sample's floor is 0: many zeros), the radix selection runs. The
+// histograms of the radix selection cost a counter update per element, and its split a scalar pass over every 16
+// elements that hold a large one (a third of them at 2%): this reads each element once, four to a compare.
 constexpr int64_t kSample = 1024;
 
-void select_topk(const float* u, int64_t len, int64_t kc, TopkScratch& s, int32_t* sel) {
-  if (kc >= len) {
-    for (int64_t j = 0; j < len; ++j) sel[j] = static_cast<int32_t>(j);
-    return;
+// Whether a chunk's selection starts from candidates: densities up to 1/16 (above, the candidates are too many)
+// in chunks of 8 * kSample elements or more.
+inline bool selects_candidates(int64_t len, int64_t kc) {
+  return kc > 0 && kc < len && len >= 8 * kSample && 16 * kc <= len;
+}
+
+// The candidates a chunk may hold: beyond a quarter of it, the radix selection is as fast.
+inline int64_t candidate_cap(int64_t len) { return len / 4; }
+
+// The elements of u[b, b + m) (m <= 64) at or above col.low, appended to the candidates (cand and mags hold
+// cap + 64: a block adds at most 64 past the cap, after which nothing more is collected).
+struct Collector {
+  uint32_t low;  // >= 1
+  int64_t cap;
+  int32_t* cand;
+  uint32_t* mags;  // the candidates' magnitudes, read in order by the selection's passes
+  int64_t nc;
+};
+
+void collect(Collector& col, const float* u, int64_t b, int64_t m) {
+  if (col.nc > col.cap) return;
+  uint64_t bits = at_least_bits(u + b, m, col.low);
+  while (bits) {
+    const int64_t j = b + __builtin_ctzll(bits);
+    col.cand[col.nc] = static_cast<int32_t>(j);
+    col.mags[col.nc++] = magnitude(u[j]);
+    bits &= bits - 1;
   }
-  if (len < 8 * kSample || 16 * kc > len) {  // short chunks, and densities above 1/16 (candidates too many)
-    select_topk_radix(u, len, kc, s, sel);
-    return;
-  }
-  // Sample i at i * stride plus a shift that varies with i: no period of the layout (a matrix's rows) lines up.
-  const int64_t stride = len / kSample;
-  uint32_t sample[kSample];
-  for (int64_t i = 0; i < kSample; ++i) sample[i] = magnitude(u[i * stride + (i * 7919) % stride]);
-  const int64_t r = std::min<int64_t>(kSample, std::max<int64_t>(8, (2 * kc * kSample + len - 1) / len));
-  std::nth_element(sample, sample + (r - 1), sample + kSample, std::greater<uint32_t>());
-  const uint32_t low = sample[r - 1];
-  const int64_t cap = len / 4;
-  if (low == 0) {
-    select_topk_radix(u, len, kc, s, sel);
-    return;
-  }
-  s.cand.resize(static_cast<size_t>(cap) + 64);
-  s.mags.resize(static_cast<size_t>(cap) + 64);
-  int32_t* cand = s.cand.data();
-  uint32_t* mags = s.mags.data();  // the candidates' magnitudes, read in order by the passes below
-  int64_t nc = 0;
-  for (int64_t b = 0; b < len && nc <= cap; b += 64) {
-    uint64_t bits = at_least_bits(u + b, std::min<int64_t>(64, len - b), low);
-    while (bits) {  // cand and mags hold cap + 64: a block adds at most 64 past the cap
-      const int64_t j = b + __builtin_ctzll(bits);
-      cand[nc] = static_cast<int32_t>(j);
-      mags[nc++] = magnitude(u[j]);
-      bits &= bits - 1;
+}
+
+// The magnitude that about `aim` of the counted elements reach, interpolated within its 11-bit bin (a magnitude's
+// bits grow about linearly with it within one); 0 when fewer than `aim` were counted.
+inline uint32_t magnitude_reached_by(const uint32_t* hist, int64_t aim) {
+  int64_t above = 0;
+  for (int64_t b = kRadixBins - 1; b >= 0; --b) {
+    if (above + hist[b] >= aim) {  // then hist[b] >= aim - above >= 1
+      const uint64_t within = (static_cast<uint64_t>(aim - above) << 20) / hist[b];
+      return static_cast<uint32_t>((static_cast<uint64_t>(b + 1) << 20) - within);
     }
+    above += hist[b];
   }
-  if (nc < kc || nc > cap) {
-    select_topk_radix(u, len, kc, s, sel);
-    return;
-  }
-  // The kc-th largest key T among the candidates, by the radix steps: the 11-bit bin of the kc-th largest, then
-  // the next 11 bits within that bin, then nth_element among the few left (one or two at 2%).
+  return 0;
+}
+
+// The selection among nc candidates, kc <= nc: the 11-bit bin of the kc-th largest, then the next 11 bits within
+// that bin, then nth_element among the few left (one or two at 2%). The thread's next floor is read off the same
+// histogram, aiming at `aim` candidates; where fewer were collected, the floor `low` they came from is kept.
+void select_candidates(const Collector& col, int64_t kc, int64_t aim, TopkScratch& s, int32_t* sel) {
+  const int32_t* cand = col.cand;
+  const uint32_t* mags = col.mags;
+  const int64_t nc = col.nc;
   uint32_t hist[kRadixBins] = {};
   for (int64_t i = 0; i < nc; ++i) ++hist[mags[i] >> 20];
+  const uint32_t next = magnitude_reached_by(hist, aim);
+  s.guess = next ? next : col.low;
   int64_t above = 0;
   const uint32_t b1 = bin_of_kth(hist, kc, above);
   const uint64_t t = kth_key_in_bin(cand, nc, [&](int64_t i) { return mags[i]; }, b1, kc, above, s.keys);
@@ -272,6 +304,45 @@ void select_topk(const float* u, int64_t len, int64_t kc, TopkScratch& s, int32_
     sel[m] = cand[i];  // branch-free: sel holds kc + 1 entries and m < kc until the last pick
     m += topk_key_of_magnitude(mags[i], cand[i]) >= t;
   }
+}
+
+// The kc largest keys of u[0, len) as ascending local indices into `sel`. `loaded`: the candidates collected while
+// the chunk loaded, from the thread's guess (or null).
+void select_topk(const float* u, int64_t len, int64_t kc, TopkScratch& s, int32_t* sel, const Collector* loaded) {
+  if (kc >= len) {
+    for (int64_t j = 0; j < len; ++j) sel[j] = static_cast<int32_t>(j);
+    return;
+  }
+  if (!selects_candidates(len, kc)) {  // short chunks, and densities above 1/16
+    select_topk_radix(u, len, kc, s, sel);
+    return;
+  }
+  // Sample i at i * stride plus a shift that varies with i: no period of the layout (a matrix's rows) lines up.
+  const int64_t stride = len / kSample, cap = candidate_cap(len);
+  const int64_t r = std::min<int64_t>(kSample, std::max<int64_t>(8, (2 * kc * kSample + len - 1) / len));
+  const int64_t aim = r * stride;  // about as many as the sample's floor collects
+  if (loaded && loaded->nc >= kc && loaded->nc <= cap) {
+    select_candidates(*loaded, kc, aim, s, sel);
+    return;
+  }
+  uint32_t sample[kSample];
+  for (int64_t i = 0; i < kSample; ++i) sample[i] = magnitude(u[i * stride + (i * 7919) % stride]);
+  std::nth_element(sample, sample + (r - 1), sample + kSample, std::greater<uint32_t>());
+  const uint32_t low = sample[r - 1];
+  s.guess = 0;
+  if (low == 0) {
+    select_topk_radix(u, len, kc, s, sel);
+    return;
+  }
+  s.cand.resize(static_cast<size_t>(cap) + 64);
+  s.mags.resize(static_cast<size_t>(cap) + 64);
+  Collector col{low, cap, s.cand.data(), s.mags.data(), 0};
+  for (int64_t b = 0; b < len && col.nc <= cap; b += 64) collect(col, u, b, std::min<int64_t>(64, len - b));
+  if (col.nc < kc || col.nc > cap) {
+    select_topk_radix(u, len, kc, s, sel);
+    return;
+  }
+  select_candidates(col, kc, aim, s, sel);
 }
 
 }  // namespace
@@ -314,9 +385,9 @@ void pack_topk(int32_t format, const float* u, const int32_t* sel, int64_t kc, i
     for (int64_t i = 0; i < kc; ++i) w[i] = topk_word(bf16_bits(u[sel[i]]), sel[i]);
     return;
   }
-  float big = 0.0f;
-  for (int64_t i = 0; i < kc; ++i) big = std::max(big, u[sel[i]] < 0.0f ? -u[sel[i]] : u[sel[i]]);
-  const float s = topk8_scale(big);
+  uint32_t big = 0;  // the largest |u| sent, as bits (they order non-negative floats)
+  for (int64_t i = 0; i < kc; ++i) big = std::max(big, magnitude(u[sel[i]]));
+  const float s = topk8_scale(bits_to_float(static_cast<int32_t>(big)));
   const int64_t iw = (kc + 1) / 2, vw = (kc + 3) / 4;
   std::fill(w + 1, w + 1 + iw + vw, 0);
   w[0] = float_to_bits(s);
@@ -378,9 +449,17 @@ ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, const float* re
       // With a kept buffer apart from the residual, u is built in place there (the spare: nothing reads it
       // until a completed step commits it), so no copy of the chunk follows.
       float* uc = direct ? kept + lo : u.data();
-      bad[c] = load(update, dtype, mo, residual, lo, len, uc);
+      Collector col{scratch.guess, candidate_cap(len), nullptr, nullptr, 0};
+      const bool guessed = scratch.guess && selects_candidates(len, kc);
+      if (guessed) {
+        scratch.cand.resize(static_cast<size_t>(col.cap) + 64);
+        scratch.mags.resize(static_cast<size_t>(col.cap) + 64);
+        col.cand = scratch.cand.data();
+        col.mags = scratch.mags.data();
+      }
+      bad[c] = load(update, dtype, mo, residual, lo, len, uc, guessed ? &col : nullptr);
       if (bad[c] >= 0) continue;
-      if (kc > 0) select_topk(uc, len, kc, scratch, sel.data());
+      if (kc > 0) select_topk(uc, len, kc, scratch, sel.data(), guessed ? &col : nullptr);
       pack_topk(format, uc, sel.data(), kc, len, w);
       if (mo.velocity)
         for (int64_t i = 0; i < kc; ++i) mo.out[lo + sel[i]] = 0.0f;  // momentum factor masking
