@@ -2,6 +2,7 @@
 state dicts, torch.distributed.checkpoint, parameters without a gradient left alone, and AdamW's fused and
 foreach implementations shared as its for-loop is."""
 import copy
+import pickle
 from collections import deque
 
 import pytest
@@ -76,6 +77,43 @@ def test_the_inner_optimizer_stepped_directly_is_refused_while_its_wrapper_share
     # One process: nothing to share, so the inner optimizer may step on its own.
     said, unchanged = _inner_stepped_directly(wrapper)
     assert said is None and not unchanged
+
+
+def _copy_stepped_directly(how):
+    model = net()
+    opt = ParameterAveraging(model, torch.optim.AdamW(model.parameters(), lr=1e-2), frequency=3)
+    c = {"deepcopy": copy.deepcopy, "copy": copy.copy, "pickle": lambda o: pickle.loads(pickle.dumps(o))}[how](opt)
+    rank = dist.get_rank()
+    said = []
+    for i, w in enumerate([opt, c, c, opt, c, opt]):       # a round every 3 steps of each wrapper
+        x, y = batch(rank, i)
+        F.cross_entropy(w.model(x), y).backward()
+        w.step()                                          # through a wrapper: allowed
+        w.zero_grad()
+        F.cross_entropy(w.model(x), y).backward()
+        try:
+            w.optimizer.step()                            # the inner optimizer directly: refused
+            said.append(None)
+        except RuntimeError as e:
+            said.append(str(e))
+        w.zero_grad()
+    return said, c.optimizer is opt.optimizer
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "copy", "pickle"])
+def test_a_copied_wrapper_keeps_its_inner_optimizer_guarded(how):
+    # torch's Optimizer.__getstate__ keeps no hooks: a deep copy's inner optimizer is guarded afresh; a shallow
+    # copy shares the inner optimizer, whose guard lets either wrapper step it
+    for said, shared in run_local(_copy_stepped_directly, 2, (how,), threads=1, timeout=120):
+        assert shared == (how == "copy")
+        assert all(s is not None and "AdamW.step() was called directly" in s for s in said), said
+
+
+def test_a_shared_optimizer_refuses_to_be_copied_with_a_clear_error():
+    opt = SharedOptimizer(torch.optim.SGD(net().parameters(), lr=0.1))
+    for copy_it in (copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="SharedOptimizer cannot be copied or pickled.*state_dict"):
+            copy_it(opt)
 
 
 @pytest.mark.parametrize("wrapper", sorted(_wrappers()))

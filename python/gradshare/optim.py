@@ -276,6 +276,11 @@ class SharedOptimizer(SharingFront, WrappedOptimizer, Joinable):
                              f"shares {self.mode!r}")
         self.sharing.load_state_dict(own["sharing"])
 
+    def __getstate__(self) -> Dict[str, Any]:
+        raise TypeError("gradshare: a SharedOptimizer cannot be copied or pickled: it holds this rank's part of a "
+                        "live exchange with the other ranks. Save its state_dict() (gradshare.checkpoint.save "
+                        "does) and load it into a new SharedOptimizer over the model's optimizer.")
+
     def __repr__(self) -> str:
         return (f"SharedOptimizer({type(self.optimizer).__name__}, mode={self.mode!r}, "
                 f"buckets={len(self.sharing.buckets)}, compression={self.sharing.compression!r}, "

@@ -38,7 +38,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         torch.optim.Optimizer.__setstate__(self, {})
         self._stepping = 0                        # inside this wrapper's step(): the inner one may step
-        optimizer.register_step_pre_hook(_only_through_wrapper(weakref.ref(self)))
+        _guard(optimizer, self)
 
     def _ranks(self) -> int:
         """How many ranks this wrapper's steps keep alike (with one, a direct step of the inner optimizer
@@ -73,6 +73,12 @@ class WrappedOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> Dict[str, Any]:
         return dict(self.__dict__)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        torch.optim.Optimizer.__setstate__(self, state)
+        # A copy of the inner optimizer (deepcopy, pickle) has none of its hooks (torch's __getstate__ keeps
+        # none): the copy is guarded afresh; a shallow copy shares the inner optimizer and its guard.
+        _guard(self.optimizer, self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -123,16 +129,28 @@ def steps_the_inner_optimizer(step: Callable) -> Callable:
     return run
 
 
-def _only_through_wrapper(ref: "weakref.ReferenceType[WrappedOptimizer]") -> Callable:
-    """The inner optimizer's step pre-hook: a direct ``inner.step()`` while its wrapper lives and shares with
+def _guard(inner: torch.optim.Optimizer, wrapper: WrappedOptimizer) -> None:
+    """Registers :func:`_only_through_wrapper` on ``inner`` once, for every wrapper of it (held weakly)."""
+    wrappers = inner.__dict__.get("_gradshare_wrappers")
+    if not isinstance(wrappers, weakref.WeakSet):
+        wrappers = inner.__dict__["_gradshare_wrappers"] = weakref.WeakSet()
+        inner.register_step_pre_hook(_only_through_wrapper(wrappers))
+    wrappers.add(wrapper)
+
+
+def _only_through_wrapper(wrappers: "weakref.WeakSet[WrappedOptimizer]") -> Callable:
+    """The inner optimizer's step pre-hook: a direct ``inner.step()`` while a wrapper of it lives and shares with
     other ranks raises before it steps. It would step each rank on its own gradient, with no exchange (and,
     for ParameterAveraging, no round ever due): the replicas would drift apart, silently."""
 
     def hook(opt, args, kwargs) -> None:
-        w = ref()
-        if w is None or w._stepping or w._ranks() <= 1:
+        live = list(wrappers)
+        if any(w._stepping for w in live):
             return
-        inner, outer = type(opt).__name__, type(w).__name__
+        sharing = [w for w in live if w._ranks() > 1]
+        if not sharing:
+            return
+        inner, outer = type(opt).__name__, type(sharing[0]).__name__
         raise RuntimeError(f"gradshare: {inner}.step() was called directly, but a {outer} wraps it: call the "
                            f"{outer}'s step() (give the {outer} to a GradScaler, scheduler or training framework "
                            f"too). Stepped directly, each rank steps on its own gradient and nothing is shared.")
