@@ -129,6 +129,21 @@ def test_topk_selection_from_the_last_chunks_floor_matches_reference(threads, k,
         gradshare.set_num_threads(2)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 1e-3, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 1e3]), min_size=2, max_size=9),
+       st.integers(1, 512), st.sampled_from(["bf16", "int8", "sign"]), st.integers(1, 3), st.integers(0, 2**31 - 1))
+def test_property_topk_selection_from_any_floor_matches_reference(scales, k, values, threads, seed):
+    # chunks of 8192, the shortest that select from candidates, at densities up to 1/16, scaled chunk by chunk
+    n = len(scales) * 8192 - seed % 5000
+    update, residual = _state(n, seed=seed, ties=False)
+    scale = torch.tensor(scales).repeat_interleave(8192)[:n]
+    gradshare.set_num_threads(threads)
+    try:
+        _both(_topk, R.encode_topk, update * scale, residual * scale, k, 8192, values)
+    finally:
+        gradshare.set_num_threads(2)
+
+
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("chunk", [16, 64, 4096])
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0, 7.5])
