@@ -109,6 +109,17 @@ def test_topk_selection_of_large_chunks_matches_reference(kind, k, values):
             assert int((out[lo:lo + 65536] != 0).sum()) == kc
 
 
+def _scaled_chunks_match_reference(update, residual, scales, chunk, k, values, threads):
+    """Top-k of update and residual scaled chunk by chunk (scales[i] for chunk i), on `threads` threads: the
+    native message and kept residual are the reference's, bit for bit."""
+    scale = torch.tensor(scales).repeat_interleave(chunk)[:update.numel()]
+    gradshare.set_num_threads(threads)
+    try:
+        _both(_topk, R.encode_topk, update * scale, residual * scale, k, chunk, values)
+    finally:
+        gradshare.set_num_threads(2)
+
+
 # Chunk by chunk scales for the floor a thread carries from one chunk's selection to the next one's
 # (csrc/cpu/chunked.cpp, select_topk): alike chunks (the floor holds), chunks 2x and 1000x smaller (some but fewer
 # than k candidates, or none: sampled instead), 1000x larger (past the cap), all zeros (no floor), and back.
@@ -120,13 +131,7 @@ FLOOR_SCALES = [1.0, 1.0, 1.0, 0.5, 1e-3, 1e-3, 1e3, 1e3, 0.0, 1.0, 2.0, 0.7, 1.
 @pytest.mark.parametrize("values", ["int8", "sign"])
 def test_topk_selection_from_the_last_chunks_floor_matches_reference(threads, k, values):
     n = len(FLOOR_SCALES) * 65536 - 4000
-    update, residual = _hard_chunks("normal", n)
-    scale = torch.tensor(FLOOR_SCALES).repeat_interleave(65536)[:n]
-    gradshare.set_num_threads(threads)
-    try:
-        _both(_topk, R.encode_topk, update * scale, residual * scale, k, 65536, values)
-    finally:
-        gradshare.set_num_threads(2)
+    _scaled_chunks_match_reference(*_hard_chunks("normal", n), FLOOR_SCALES, 65536, k, values, threads)
 
 
 @settings(max_examples=40, deadline=None)
@@ -135,13 +140,7 @@ def test_topk_selection_from_the_last_chunks_floor_matches_reference(threads, k,
 def test_property_topk_selection_from_any_floor_matches_reference(scales, k, values, threads, seed):
     # chunks of 8192, the shortest that select from candidates, at densities up to 1/16, scaled chunk by chunk
     n = len(scales) * 8192 - seed % 5000
-    update, residual = _state(n, seed=seed, ties=False)
-    scale = torch.tensor(scales).repeat_interleave(8192)[:n]
-    gradshare.set_num_threads(threads)
-    try:
-        _both(_topk, R.encode_topk, update * scale, residual * scale, k, 8192, values)
-    finally:
-        gradshare.set_num_threads(2)
+    _scaled_chunks_match_reference(*_state(n, seed=seed, ties=False), scales, 8192, k, values, threads)
 
 
 @pytest.mark.parametrize("n", SIZES)
