@@ -37,22 +37,31 @@ struct Collector;
 void collect(Collector& col, const float* u, int64_t b, int64_t m);
 
 // u = residual + input for one chunk into `u` (with momentum the input, the new velocity, into mo.out too);
-// returns the first non-finite local index or -1. With a collector, top-k's candidates are collected from each
-// 64-element block of u as it is written (in L1 still), which spares the selection a pass over the chunk.
-template <int DT, bool MOM>
-int64_t load_chunk(const void* update, const Momentum& mo, const float* residual, int64_t lo, int64_t len, float* u,
-                   Collector* col) {
+// returns the first non-finite local index or -1. The encoder's own work rides on this one pass over memory:
+// each(lane, x) sees every element as it is made (lane = its index % 32: ternary adds |x| into its lane sums in
+// element.h's order), side(b, m) every 64-element block u[b, b + m) once it is written, in L1 (top-k collects its
+// candidates there). Full blocks run in rows of 32 with a constant trip count, which the compiler vectorizes.
+template <int DT, bool MOM, typename Each, typename Side>
+inline int64_t load_chunk(const void* update, const Momentum& mo, const float* residual, int64_t lo, int64_t len,
+                          float* u, Each&& each, Side&& side) {
   int32_t bad = 0;
-  for (int64_t b = 0; b < len; b += 64) {
-    const int64_t m = std::min<int64_t>(64, len - b);
-    for (int64_t j = b; j < b + m; ++j) {
-      const float w = input_at<DT, MOM>(update, mo, lo + j);
-      if (MOM) mo.out[lo + j] = w;
-      const float x = residual[lo + j] + w;
-      u[j] = x;
-      bad |= static_cast<int32_t>(!(x - x == 0.0f));  // x - x is 0 unless x is NaN/Inf
-    }
-    if (col) collect(*col, u, b, m);
+  auto one = [&](int64_t j, int lane) {
+    const float w = input_at<DT, MOM>(update, mo, lo + j);
+    if (MOM) mo.out[lo + j] = w;
+    const float x = residual[lo + j] + w;
+    u[j] = x;
+    bad |= static_cast<int32_t>(!(x - x == 0.0f));  // x - x is 0 unless x is NaN/Inf
+    each(lane, x);
+  };
+  const int64_t full = len / 64 * 64;
+  for (int64_t b = 0; b < full; b += 64) {
+    for (int64_t r = b; r < b + 64; r += kLanes)
+      for (int l = 0; l < kLanes; ++l) one(r + l, l);
+    side(b, int64_t{64});
+  }
+  if (full < len) {
+    for (int64_t j = full; j < len; ++j) one(j, static_cast<int>((j - full) % kLanes));
+    side(full, len - full);
   }
   if (!bad) return -1;
   for (int64_t j = 0; j < len; ++j)
@@ -60,44 +69,24 @@ int64_t load_chunk(const void* update, const Momentum& mo, const float* residual
   return -1;
 }
 
-template <bool MOM>
-int64_t load_t(const void* update, int32_t dtype, const Momentum& mo, const float* residual, int64_t lo, int64_t len,
-               float* u, Collector* col) {
-  switch (dtype) {
-    case kFloat16: return load_chunk<kFloat16, MOM>(update, mo, residual, lo, len, u, col);
-    case kBFloat16: return load_chunk<kBFloat16, MOM>(update, mo, residual, lo, len, u, col);
-    default: return load_chunk<kFloat32, MOM>(update, mo, residual, lo, len, u, col);
-  }
-}
-
-int64_t load(const void* update, int32_t dtype, const Momentum& mo, const float* residual, int64_t lo, int64_t len,
-             float* u, Collector* col) {
-  return mo.velocity ? load_t<true>(update, dtype, mo, residual, lo, len, u, col)
-                     : load_t<false>(update, dtype, mo, residual, lo, len, u, col);
+// Top-k's load: with a collector, the candidates of each block (which spares the selection a pass over the chunk).
+int64_t load_topk(const void* update, int32_t dtype, const Momentum& mo, const float* residual, int64_t lo,
+                  int64_t len, float* u, Collector* col) {
+  return dispatch(dtype, mo, [&](auto kind) {
+    return load_chunk<decltype(kind)::dt, decltype(kind)::mom>(update, mo, residual, lo, len, u,
+                                                               [](int, float) {}, [&](int64_t b, int64_t m) {
+                                                                 if (col) collect(*col, u, b, m);
+                                                               });
+  });
 }
 
 // kept[lo, lo + len) = residual + input (phase 2 in place: the chunk's u again).
-template <int DT, bool MOM>
-void add_input_t(const void* update, const Momentum& mo, const float* residual, float* kept, int64_t lo, int64_t len) {
-  for (int64_t j = 0; j < len; ++j) kept[lo + j] = residual[lo + j] + input_at<DT, MOM>(update, mo, lo + j);
-}
-
-template <bool MOM>
-void add_input_m(const void* update, int32_t dtype, const Momentum& mo, const float* residual, float* kept,
-                 int64_t lo, int64_t len) {
-  switch (dtype) {
-    case kFloat16: add_input_t<kFloat16, MOM>(update, mo, residual, kept, lo, len); break;
-    case kBFloat16: add_input_t<kBFloat16, MOM>(update, mo, residual, kept, lo, len); break;
-    default: add_input_t<kFloat32, MOM>(update, mo, residual, kept, lo, len);
-  }
-}
-
 void add_input(const void* update, int32_t dtype, const Momentum& mo, const float* residual, float* kept, int64_t lo,
                int64_t len) {
-  if (mo.velocity)
-    add_input_m<true>(update, dtype, mo, residual, kept, lo, len);
-  else
-    add_input_m<false>(update, dtype, mo, residual, kept, lo, len);
+  dispatch(dtype, mo, [&](auto kind) {
+    for (int64_t j = 0; j < len; ++j)
+      kept[lo + j] = residual[lo + j] + input_at<decltype(kind)::dt, decltype(kind)::mom>(update, mo, lo + j);
+  });
 }
 
 // Writes the non-finite marker (header + zeros up to `words`).
@@ -457,7 +446,7 @@ ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, const float* re
         col.cand = scratch.cand.data();
         col.mags = scratch.mags.data();
       }
-      bad[c] = load(update, dtype, mo, residual, lo, len, uc, guessed ? &col : nullptr);
+      bad[c] = load_topk(update, dtype, mo, residual, lo, len, uc, guessed ? &col : nullptr);
       if (bad[c] >= 0) continue;
       if (kc > 0) select_topk(uc, len, kc, scratch, sel.data(), guessed ? &col : nullptr);
       pack_topk(format, uc, sel.data(), kc, len, w);
@@ -488,50 +477,27 @@ ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, const float* re
 namespace {
 
 // Ternary's chunk sums in element.h's order: 32 lanes, lane l adding elements l, l + 32, ... in turn (rows of 32,
-// then the tail's elements in their lanes). Each is fused into a pass the chunk needs anyway, so a chunk is
-// read from memory once and walked twice in cache: the load with the sum of |u|, then the flags with the sum of
-// the sent |u| and their count.
+// then the tail's elements in their lanes). Each rides on a pass the chunk needs anyway, so a chunk is read
+// from memory once: the load sums |u|, then the flags' pass over the chunk in cache sums the sent |u| and counts
+// them.
 
-// u = residual + input for one chunk into `u` (with momentum the input, the new velocity, into mo.out too), and
-// *sum = the chunk's sum of |u|; returns the first non-finite local index or -1 (the sum is then meaningless).
+// Ternary's load (load_chunk), with *sum = the chunk's sum of |u| (meaningless when a u is not finite).
 template <int DT, bool MOM>
 GS_AVX2_CLONES int64_t load_abs_sum_t(const void* update, const Momentum& mo, const float* residual, int64_t lo,
                                       int64_t len, float* u, float* sum) {
   float acc[kLanes] = {0.0f};
-  int32_t bad = 0;
-  auto one = [&](int64_t j, int l) {
-    const float w = input_at<DT, MOM>(update, mo, lo + j);
-    if (MOM) mo.out[lo + j] = w;
-    const float x = residual[lo + j] + w;
-    u[j] = x;
-    bad |= static_cast<int32_t>(!(x - x == 0.0f));  // x - x is 0 unless x is NaN/Inf
-    acc[l] += x < 0.0f ? -x : x;
-  };
-  const int64_t rows = len / kLanes;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int l = 0; l < kLanes; ++l) one(r * kLanes + l, l);  // a constant trip count: vector code
-  for (int64_t j = rows * kLanes; j < len; ++j) one(j, static_cast<int>(j - rows * kLanes));
+  const int64_t bad = load_chunk<DT, MOM>(update, mo, residual, lo, len, u,
+                                          [&](int lane, float x) { acc[lane] += x < 0.0f ? -x : x; },
+                                          [](int64_t, int64_t) {});
   *sum = lane_tree(acc);
-  if (!bad) return -1;
-  for (int64_t j = 0; j < len; ++j)
-    if (!is_finite(u[j])) return j;
-  return -1;
-}
-
-template <bool MOM>
-int64_t load_abs_sum_m(const void* update, int32_t dtype, const Momentum& mo, const float* residual, int64_t lo,
-                       int64_t len, float* u, float* sum) {
-  switch (dtype) {
-    case kFloat16: return load_abs_sum_t<kFloat16, MOM>(update, mo, residual, lo, len, u, sum);
-    case kBFloat16: return load_abs_sum_t<kBFloat16, MOM>(update, mo, residual, lo, len, u, sum);
-    default: return load_abs_sum_t<kFloat32, MOM>(update, mo, residual, lo, len, u, sum);
-  }
+  return bad;
 }
 
 int64_t load_abs_sum(const void* update, int32_t dtype, const Momentum& mo, const float* residual, int64_t lo,
                      int64_t len, float* u, float* sum) {
-  return mo.velocity ? load_abs_sum_m<true>(update, dtype, mo, residual, lo, len, u, sum)
-                     : load_abs_sum_m<false>(update, dtype, mo, residual, lo, len, u, sum);
+  return dispatch(dtype, mo, [&](auto kind) {
+    return load_abs_sum_t<decltype(kind)::dt, decltype(kind)::mom>(update, mo, residual, lo, len, u, sum);
+  });
 }
 
 // Which elements of u[0, len) are sent at threshold th (sent[j], and negative[j] where sent and u < 0); returns
@@ -599,16 +565,6 @@ GS_AVX2_CLONES void ternary_residual(const void* update, const Momentum& mo, con
   }
 }
 
-template <bool MOM>
-void ternary_residual_m(const void* update, int32_t dtype, const Momentum& mo, const float* residual, float* kept,
-                        int64_t lo, int64_t len, const int32_t* w) {
-  switch (dtype) {
-    case kFloat16: ternary_residual<kFloat16, MOM>(update, mo, residual, kept, lo, len, w); break;
-    case kBFloat16: ternary_residual<kBFloat16, MOM>(update, mo, residual, kept, lo, len, w); break;
-    default: ternary_residual<kFloat32, MOM>(update, mo, residual, kept, lo, len, w);
-  }
-}
-
 }  // namespace
 
 ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n,
@@ -667,10 +623,9 @@ ChunkedResult encode_ternary_cpu(const void* update, int32_t dtype, const float*
     for (int64_t c = 0; c < nch; ++c) {
       const int64_t lo = c * chunk, len = chunk_len(n, chunk, c);
       const int32_t* w = payload + c * per_full;
-      if (mo.velocity)
-        ternary_residual_m<true>(update, dtype, mo, residual, kept, lo, len, w);
-      else
-        ternary_residual_m<false>(update, dtype, mo, residual, kept, lo, len, w);
+      dispatch(dtype, mo, [&](auto kind) {
+        ternary_residual<decltype(kind)::dt, decltype(kind)::mom>(update, mo, residual, kept, lo, len, w);
+      });
     }
   }
   int64_t total = 0;

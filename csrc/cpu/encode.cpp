@@ -395,29 +395,17 @@ CountResult count_t(const void* update, const float* residual, int64_t n, float 
 
 CountResult count_cpu(const void* update, int32_t dtype, const float* residual, int64_t n, float tau) {
   check_encode_args(dtype, n, tau, 0.0f, kChooseAuto, kHeaderWords);
-  switch (dtype) {
-    case kFloat16: return count_t<kFloat16>(update, residual, n, tau);
-    case kBFloat16: return count_t<kBFloat16>(update, residual, n, tau);
-    default: return count_t<kFloat32>(update, residual, n, tau);
-  }
-}
-
-template <bool MOM>
-EncodeResult encode_dispatch(const void* update, int32_t dtype, const Momentum& mo, const float* residual, float* kept,
-                             int64_t n, float tau, float clip, int32_t choice, int32_t* out, int64_t capacity) {
-  switch (dtype) {
-    case kFloat16: return encode_t<kFloat16, MOM>(update, mo, residual, kept, n, tau, clip, choice, out, capacity);
-    case kBFloat16: return encode_t<kBFloat16, MOM>(update, mo, residual, kept, n, tau, clip, choice, out, capacity);
-    default: return encode_t<kFloat32, MOM>(update, mo, residual, kept, n, tau, clip, choice, out, capacity);
-  }
+  return dispatch(dtype, Momentum{}, [&](auto kind) { return count_t<decltype(kind)::dt>(update, residual, n, tau); });
 }
 
 EncodeResult encode_cpu(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n, float tau,
                         float clip, int32_t choice, int32_t* out, int64_t capacity, const Momentum& mo) {
   check_encode_args(dtype, n, tau, clip, choice, capacity);
   check_momentum(mo);
-  return mo.velocity ? encode_dispatch<true>(update, dtype, mo, residual, kept, n, tau, clip, choice, out, capacity)
-                     : encode_dispatch<false>(update, dtype, mo, residual, kept, n, tau, clip, choice, out, capacity);
+  return dispatch(dtype, mo, [&](auto kind) {
+    return encode_t<decltype(kind)::dt, decltype(kind)::mom>(update, mo, residual, kept, n, tau, clip, choice, out,
+                                                             capacity);
+  });
 }
 
 }  // namespace gs

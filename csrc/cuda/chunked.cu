@@ -52,22 +52,6 @@ __device__ __forceinline__ float u_or_zero(const void* update, const Momentum& m
   return j < len ? u : 0.0f;
 }
 
-// Calls f(Kind<DT, MOM>{}) for the update's dtype and whether a momentum is fused.
-template <int D, bool M>
-struct Kind {
-  static constexpr int dt = D;
-  static constexpr bool mom = M;
-};
-template <typename F>
-void dispatch(int32_t dtype, const Momentum& mo, F&& f) {
-  const bool m = mo.velocity != nullptr;
-  switch (dtype) {
-    case kFloat16: return m ? f(Kind<kFloat16, true>{}) : f(Kind<kFloat16, false>{});
-    case kBFloat16: return m ? f(Kind<kBFloat16, true>{}) : f(Kind<kBFloat16, false>{});
-    default: return m ? f(Kind<kFloat32, true>{}) : f(Kind<kFloat32, false>{});
-  }
-}
-
 __device__ __forceinline__ uint32_t mag_of(float u) { return static_cast<uint32_t>(float_to_bits(u)) & 0x7fffffffu; }
 
 __device__ __forceinline__ float warp_tree(float v) {

@@ -209,11 +209,9 @@ CountResult count_cuda(const void* update, int32_t dtype, const float* residual,
   cuda::DeviceGuard guard(residual, "residual");
   cuda::device_of(update, "update");
   const cudaStream_t s = cuda::as_stream(stream);
-  switch (dtype) {
-    case kFloat16: return count_t<kFloat16>(update, residual, n, tau, s);
-    case kBFloat16: return count_t<kBFloat16>(update, residual, n, tau, s);
-    default: return count_t<kFloat32>(update, residual, n, tau, s);
-  }
+  return dispatch(dtype, Momentum{}, [&](auto kind) {
+    return count_t<decltype(kind)::dt>(update, residual, n, tau, s);
+  });
 }
 
 EncodeResult encode_cuda(const void* update, int32_t dtype, const float* residual, float* kept, int64_t n, float tau,
@@ -232,11 +230,10 @@ EncodeResult encode_cuda(const void* update, int32_t dtype, const float* residua
     }
   }
   const cudaStream_t s = cuda::as_stream(stream);
-  switch (dtype) {
-    case kFloat16: return encode_t<kFloat16>(update, mo, residual, kept, n, tau, clip, choice, out, capacity, s);
-    case kBFloat16: return encode_t<kBFloat16>(update, mo, residual, kept, n, tau, clip, choice, out, capacity, s);
-    default: return encode_t<kFloat32>(update, mo, residual, kept, n, tau, clip, choice, out, capacity, s);
-  }
+  // The kernels take the momentum at run time: only the dtype is a template argument here.
+  return dispatch(dtype, Momentum{}, [&](auto kind) {
+    return encode_t<decltype(kind)::dt>(update, mo, residual, kept, n, tau, clip, choice, out, capacity, s);
+  });
 }
 
 int cuda_device_count() {

@@ -54,6 +54,24 @@ GS_HD float input_at(const void* update, const Momentum& mo, int64_t i) {
   return MOM ? velocity_step(mo.velocity[i], mo.factor, g) : g;
 }
 
+// The one place where an encoder's input kind becomes template arguments: dispatch(dtype, mo, f) calls
+// f(InputKind<DT, MOM>{}) for the update's dtype and whether a momentum is fused (mo.velocity set), and
+// returns what f returns. f reads decltype(kind)::dt and ::mom.
+template <int DT, bool MOM>
+struct InputKind {
+  static constexpr int dt = DT;
+  static constexpr bool mom = MOM;
+};
+template <typename F>
+auto dispatch(int32_t dtype, const Momentum& mo, F&& f) -> decltype(f(InputKind<kFloat32, false>{})) {
+  const bool m = mo.velocity != nullptr;
+  switch (dtype) {
+    case kFloat16: return m ? f(InputKind<kFloat16, true>{}) : f(InputKind<kFloat16, false>{});
+    case kBFloat16: return m ? f(InputKind<kBFloat16, true>{}) : f(InputKind<kBFloat16, false>{});
+    default: return m ? f(InputKind<kFloat32, true>{}) : f(InputKind<kFloat32, false>{});
+  }
+}
+
 // Words an encode may need: enough for either format when the choice is kChooseAuto or kChooseBitmap.
 inline int64_t encode_capacity(int64_t n) { return kHeaderWords + bitmap_words(n); }
 
