@@ -249,8 +249,9 @@ def rank_main(cfg: Dict) -> Dict:
     out = {}
     cores = [c for c in (getattr(state, "sharings", None) or [getattr(state, "sharing", None)]) if c is not None]
     if any(getattr(c, "own_models", False) for c in cores):
-        # What waits kept in each rank's model: the table judges rank 0's own model; here also the round's mean
-        # result that every rank holds (the buckets' snapshot, checked identical) and the model after merge().
+        # What waits kept in each rank's model: the table judges what rank 0's parameters show between steps (the
+        # round's mean result: Sharing.show_mean); here also that mean result through state.mean_result() (the
+        # buckets' snapshot, checked identical on every rank) and the model after merge().
         from gradshare.replicas import ReplicaMismatchError, verify_replicas
         with state.mean_result():                  # every parameter set to the mean result, then back
             out["snapshot_metric"] = data.evaluate(model) if rank == 0 else None

@@ -138,13 +138,13 @@ def test_hook_converges_near_ddp_with_40x_fewer_bytes(mnist_dir):
 
 
 # -- a compiled DDP model: torch.compile keeps the hook, and the run repeats the eager one bit for bit --------
-def _compiled_or_eager(compiled):
+def _compiled_or_eager(compiled, error_feedback="buffer"):
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
     ddp = DDP(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
-    state = ThresholdState(optimizer=opt, link=None)
+    state = ThresholdState(optimizer=opt, link=None, error_feedback=error_feedback)
     ddp.register_comm_hook(state, threshold_hook)
     fwd = torch.compile(ddp, backend="aot_eager") if compiled else ddp
     g = torch.Generator().manual_seed(dist.get_rank())
@@ -157,9 +157,10 @@ def _compiled_or_eager(compiled):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy(), state.sharing.step
 
 
-def test_a_compiled_ddp_model_shares_as_the_eager_one():
-    eager = run_local(_compiled_or_eager, 2, (False,), threads=1, timeout=300)
-    compiled = run_local(_compiled_or_eager, 2, (True,), threads=1, timeout=300)
+@pytest.mark.parametrize("error_feedback", ["buffer", "model"])   # model: the own model put on by its forward
+def test_a_compiled_ddp_model_shares_as_the_eager_one(error_feedback):
+    eager = run_local(_compiled_or_eager, 2, (False, error_feedback), threads=1, timeout=300)
+    compiled = run_local(_compiled_or_eager, 2, (True, error_feedback), threads=1, timeout=300)
     assert eager[0][1] == compiled[0][1] == 20                  # every step went through the hook
     assert np.array_equal(eager[0][0], compiled[0][0]) and np.array_equal(compiled[0][0], compiled[1][0])
 

@@ -370,7 +370,9 @@ def _agree_and_switch(front, optimizer, error_feedback="buffer"):
     sh.link.next_probe = sh.link.steps
     _train(net, opt, 8, start=14, modes=modes, sharing=sh)
     out["choice_after"] = sh.link.choice
-    out["own_params_at_compressed"] = _flat(model)     # error_feedback="model": each rank's own
+    out["shown_at_compressed"] = _flat(model)          # between steps: the mean result, on every rank alike
+    sh.wear_own()                                      # error_feedback="model": each rank's own, as a forward would
+    out["own_params_at_compressed"] = _flat(model)
     # ... and slow again: back to the all-reduce, whose first step makes optimizer states equal.
     sh.link.clock.costs = {ALLREDUCE: 10.0, COMPRESSED: 40.0}
     _train(net, opt, 8, start=22, modes=modes, sharing=sh)       # recent compressed steps are slow now
@@ -413,6 +415,7 @@ def test_model_feedback_switches_to_the_all_reduce_with_replicas_made_equal(fron
     assert a["modes"] == b["modes"] and a["modes"][:14] == [COMPRESSED] * 5 + [ALLREDUCE] * 9
     assert a["choice_after"] == COMPRESSED and a["choice_last"] == ALLREDUCE
     assert not np.array_equal(a["own_params_at_compressed"], b["own_params_at_compressed"])
+    assert np.array_equal(a["shown_at_compressed"], b["shown_at_compressed"])
     assert np.array_equal(a["params"], b["params"])
     for x, y in zip(a["states"], b["states"]):
         assert np.array_equal(x, y)

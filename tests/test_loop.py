@@ -87,7 +87,8 @@ def _resumed_exactly(tmp_path, opts, at=40, steps=46):
 
 
 def test_shared_updates_held_back_in_each_model_resume_exactly(tmp_path):
-    # --error-feedback model: the ranks' models differ by what each holds back; the checkpoint keeps each one's
+    # --error-feedback model: the ranks' models differ inside a step by what each holds back; the checkpoint keeps
+    # each one's state
     opts = {"epochs": 2, "progress": False, "mode": "shared_gradients", "error_feedback": "model",
             "compression": "topk_sign:0.05", "link": "off"}
     full = _resumed_exactly(tmp_path, opts)

@@ -572,8 +572,9 @@ def test_verify_replicas_names_the_parameter_that_differs():
 
 
 # ------------------------------------------------------- error_feedback="model": what waits, in each rank's model
-def _own_model_run(front, steps, start=0, ckpt=None, save_at=None, bad=None, nonfinite="raise"):
-    """Adam's updates shared every step as signs of the top 5%, what waits kept in each rank's parameters."""
+def _own_model_run(front, steps, start=0, ckpt=None, save_at=None, bad=None, nonfinite="raise", show_mean=True):
+    """Adam's updates shared every step as signs of the top 5%, what waits kept in each rank's parameters
+    (``show_mean=False``: shown between steps too, as the core does for local steps)."""
     warnings.simplefilter("ignore")
     r = dist.get_rank()
     model = _net()
@@ -588,9 +589,10 @@ def _own_model_run(front, steps, start=0, ckpt=None, save_at=None, bad=None, non
     else:
         net, state = model, SharedOptimizer(inner, **kw)
         opt, objects = state, (model, state)
+    state.sharing.show_mean = show_mean
     if ckpt is not None:
         restore(ckpt[r], *objects)
-    out = {"skipped": []}
+    out = {"skipped": [], "between steps": []}
     for step in range(start, steps):
         if step == save_at:
             out["saved"] = snapshot(*objects)
@@ -605,8 +607,16 @@ def _own_model_run(front, steps, start=0, ckpt=None, save_at=None, bad=None, non
         if state.step_skipped:
             out["skipped"].append((step, np.array_equal(before[0], _flat(model)),
                                    all(torch.equal(a, b.residual) for a, b in zip(before[1], state.sharing.buckets))))
+        # between steps: the mean result (show_mean), or each rank's own model
+        mean = torch.cat([b.snapshot for b in state.sharing.buckets]).numpy()
+        out["between steps"].append(np.array_equal(_flat(model), mean))
     bs = state.sharing.buckets
     out["params"] = _flat(model)
+    with torch.no_grad():
+        net(_batch(r, 0)[0])                 # a forward that does not train keeps the mean result on
+    out["kept by a forward without gradients"] = np.array_equal(_flat(model), out["params"])
+    state.sharing.wear_own()                 # what the next step's forward puts on: the rank's own model
+    out["own"] = _flat(model)
     out["mean result"] = torch.cat([b.snapshot for b in bs]).numpy().copy()
     out["own is mean minus residual"] = all(
         torch.equal(torch.cat([p.detach().reshape(-1) for p in b.params]), b.snapshot - b.residual) for b in bs)
@@ -616,7 +626,7 @@ def _own_model_run(front, steps, start=0, ckpt=None, save_at=None, bad=None, non
     with state.mean_result():                # the mean result in place, without a collective
         out["inside mean_result"] = _flat(model)
         verify_replicas(model)
-    out["own after mean_result"] = np.array_equal(_flat(model), out["params"])
+    out["own after mean_result"] = np.array_equal(_flat(model), out["own"])
     state.merge()
     verify_replicas(model)                   # raises where the ranks' parameters differ
     out["merged"] = _flat(model)
@@ -625,15 +635,15 @@ def _own_model_run(front, steps, start=0, ckpt=None, save_at=None, bad=None, non
 
 
 def _own_model_fronts(steps):
-    return [_own_model_run(front, steps) for front in ("hook", "optimizer")]
+    return [_own_model_run(front, steps, show_mean=show) for show in (True, False) for front in ("hook", "optimizer")]
 
 
 @pytest.mark.slow
 def test_model_feedback_holds_back_in_each_model_and_merge_makes_replicas_identical():
     res = run_local(_own_model_fronts, 2, (30,), timeout=300)
-    for i in range(2):
+    for i in range(4):
         a, b = res[0][i], res[1][i]
-        assert not np.array_equal(a["params"], b["params"])        # each rank holds its own unsent part
+        assert not np.array_equal(a["own"], b["own"])              # each rank holds its own unsent part
         assert np.array_equal(a["mean result"], b["mean result"])  # the mean result is the same everywhere
         assert np.array_equal(a["inside mean_result"], a["mean result"]) and a["own after mean_result"]
         assert b["own after mean_result"]
@@ -641,9 +651,54 @@ def test_model_feedback_holds_back_in_each_model_and_merge_makes_replicas_identi
         assert a["held back"] > 0 and a["ratio"] < 0.5
         assert np.array_equal(a["merged"], b["merged"]) and a["held back after merge"] == 0.0
         assert not np.array_equal(a["merged"], a["mean result"])   # merge applied what was held back
+    for i in range(2):
+        shown, own = res[0][i], res[0][i + 2]
+        # the DDP hook and SharedOptimizer show the mean result between steps: identical replicas at every step
+        for r in (0, 1):
+            assert all(res[r][i]["between steps"]) and res[r][i]["kept by a forward without gradients"]
+            assert np.array_equal(res[r][i]["params"], res[r][i]["mean result"])
+            assert not any(res[r][i + 2]["between steps"])   # shown as they are: each rank's own model
+        # and train the same bits as each rank's own model shown between steps
+        assert np.array_equal(shown["own"], own["params"]) and np.array_equal(shown["mean result"], own["mean result"])
     # the DDP hook and SharedOptimizer are one core: the same bits
-    assert np.array_equal(res[0][0]["params"], res[0][1]["params"])
+    assert np.array_equal(res[0][0]["own"], res[0][1]["own"])
     assert np.array_equal(res[0][0]["merged"], res[0][1]["merged"])
+
+
+def _own_model_write_between_steps():
+    """A script's write to the parameters between steps (a clamp, the same on every rank) is kept: it becomes the
+    mean result that the next step's own model is taken from, as DDP keeps it."""
+    warnings.simplefilter("ignore")
+    r = dist.get_rank()
+    model = _net()
+    net = DDP(model)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = ThresholdState(optimizer=inner, compression=TopK(0.05, values="sign"), link=None, error_feedback="model")
+    net.register_comm_hook(state, threshold_hook)
+    for step in range(3):
+        x, y = _batch(r, step)
+        inner.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        inner.step()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.clamp_(-0.01, 0.01)
+    clamped = _flat(model)
+    x, y = _batch(r, 3)
+    net(x)                                   # a forward that trains: the own model goes back on
+    bs = state.sharing.buckets
+    return {"clamped": clamped, "mean result": torch.cat([b.snapshot for b in bs]).numpy().copy(),
+            "own": _flat(model), "residual": torch.cat([b.residual for b in bs]).numpy().copy(),
+            "own is mean minus residual": all(torch.equal(torch.cat([p.detach().reshape(-1) for p in b.params]),
+                                                          b.snapshot - b.residual) for b in bs)}
+
+
+@pytest.mark.slow
+def test_model_feedback_keeps_what_a_script_writes_between_steps():
+    for out in run_local(_own_model_write_between_steps, 2, timeout=300):
+        assert np.abs(out["clamped"]).max() <= 0.01
+        assert np.array_equal(out["mean result"], out["clamped"])
+        assert out["own is mean minus residual"] and np.abs(out["residual"]).max() > 0
 
 
 def _own_model_resume(steps, save_at):

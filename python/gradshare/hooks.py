@@ -116,9 +116,10 @@ class ThresholdState(SharingFront):
             gradshare's residual, every rank's parameters the same mean result; "model": in each rank's own
             parameters (the mean result plus the progress it has not sent yet), so that its next gradient is
             taken where its own progress brought it and its optimizer does not push again what waits. With Adam it keeps
-            the quality of the default at several times fewer bytes (README, "Training quality"); the ranks'
-            parameters differ by what each holds back until ``state.merge()`` or a link-aware all-reduce step;
-            inside ``with state.mean_result():`` they are the mean result, the same on every rank (no collective).
+            the quality of the default at several times fewer bytes (README, "Training quality"). Between steps
+            every rank's parameters show the mean result, the same bits on every rank (evaluate and save them as
+            with DDP); the first forward that trains puts each rank's own model back on (gradshare.sharing,
+            ``show_mean``). ``state.merge()`` sends what waits, uncompressed.
         threshold: the former name of ``compression`` (deprecated).
     """
 
@@ -152,7 +153,8 @@ class ThresholdState(SharingFront):
                                stats=stats, momentum=momentum, clipping=clip,
                                mode="updates" if optimizer is not None else "gradients", link=link, delay=delay,
                                momentum_masking=momentum_masking and (masking.applies(optimizer) or not any(
-                                   masking.applies(o) for o in optimizers)), error_feedback=error_feedback)
+                                   masking.applies(o) for o in optimizers)), error_feedback=error_feedback,
+                               show_mean=True)
         self.optimizer = optimizer                 # the first optimizer given: its core decides the path
         self.optimizers = optimizers
         self.sharings: List[Sharing] = [self.sharing]
@@ -177,7 +179,8 @@ class ThresholdState(SharingFront):
             sh = self.sharing if i == 0 else Sharing(
                 compression, optimizer=opt, process_group=process_group, reduce="mean" if average else "sum",
                 nonfinite=nonfinite, fallback=fallback, stats=self.sharing.stats, clipping=clip, mode="updates",
-                link=None, momentum_masking=momentum_masking and masking.applies(opt), error_feedback=error_feedback)
+                link=None, momentum_masking=momentum_masking and masking.applies(opt), error_feedback=error_feedback,
+                show_mean=True)
             sh.build((p for g in opt.param_groups for p in g["params"]), bucket_cap_mb)
             if i:
                 first = sum(len(c.buckets) for c in self.sharings)

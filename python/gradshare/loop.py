@@ -329,8 +329,8 @@ def _position(ts: TrainState) -> Dict[str, Any]:
 
 def _save_to_context(ts: TrainState, ctx: Any) -> None:
     mine = {"optimizer": ts.optimizer, "epoch_totals": dict(ts.epoch_totals)}
-    # replicas differ between rounds (local steps) or by what each holds back (error_feedback="model"):
-    # each rank keeps its own model
+    # replicas differ between rounds (local steps), and with error_feedback="model" a checkpoint taken inside a
+    # step holds each rank's own model: each rank keeps its own
     if isinstance(ts.optimizer, ParameterAveraging) or ts.optimizer.sharing.own_models:
         mine["model"] = ts.model
     ctx.save(ts.step, {"model": ts.model, "position": _position(ts)}, mine)

@@ -94,9 +94,9 @@ class SharedOptimizer(SharingFront, WrappedOptimizer, Joinable):
         error_feedback: "updates" mode: where what a step does not send waits: "buffer" (default) in
             gradshare's residual, every rank's parameters the same mean result; "model": in each rank's own
             parameters (the mean result plus the progress it has not sent yet), so that its next gradient is
-            taken where its own progress brought it (gradshare.sharing). The ranks' parameters differ by what
-            each holds back until ``opt.merge()`` or a link-aware all-reduce step; inside ``with opt.mean_result():``
-            they are the mean result, the same on every rank (no collective).
+            taken where its own progress brought it (gradshare.sharing). Between steps every rank's parameters
+            show the mean result, the same bits on every rank; the first forward that trains puts each rank's own
+            model back on (gradshare.sharing, ``show_mean``). ``opt.merge()`` sends what waits, uncompressed.
         threshold: the former name of ``compression`` (deprecated).
 
     It is a torch.optim.Optimizer over the inner optimizer's ``param_groups`` and ``state`` (the same objects):
@@ -133,7 +133,7 @@ class SharedOptimizer(SharingFront, WrappedOptimizer, Joinable):
         self.sharing = Sharing(compression, optimizer=optimizer, process_group=process_group, reduce=reduce,
                                nonfinite=nonfinite, fallback=fallback, stats=stats, momentum=momentum,
                                clipping=clip, mode=mode, link=link, delay=delay, momentum_masking=momentum_masking,
-                               error_feedback=error_feedback)
+                               error_feedback=error_feedback, show_mean=True)
         self.sharing.build((p for g in optimizer.param_groups for p in g["params"]), bucket_cap_mb)
 
     # -- gradshare state -------------------------------------------------------------------------------

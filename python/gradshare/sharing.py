@@ -23,7 +23,8 @@ What is shared each step:
 Error feedback: the residual holds what was not sent yet; the policy (gradshare.compression) decides what
 to send of residual + update. With ``error_feedback="model"`` (sharing updates) each rank's parameters are the
 mean result minus its residual, so that its gradients see what waits (:class:`Sharing`'s argument; the ranks'
-parameters then differ until :meth:`Sharing.merge` or a link-aware all-reduce step). Non-finite values (``nonfinite``): "raise" stops every rank with
+parameters then differ until :meth:`Sharing.merge` or a link-aware all-reduce step; with ``show_mean``, which the
+DDP hook and SharedOptimizer set, only inside a step: between steps they show the mean result). Non-finite values (``nonfinite``): "raise" stops every rank with
 NonFiniteStepError; "skip" drops the step on every rank.
 
 All or nothing: a step either completes on every rank or changes no state. Whatever stops it (a
@@ -59,6 +60,7 @@ import contextlib
 import hashlib
 import json
 import time
+import weakref
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -75,6 +77,34 @@ NONFINITE = ("raise", "skip")
 PROBE_ELEMENTS = 1 << 18    # the link probe's largest all-reduce: 1 MiB of float32 (gradshare.link)
 REDUCE = ("mean", "sum")
 ERROR_FEEDBACK = ("buffer", "model")    # pseudo-gradients: where what a round did not send waits (Sharing)
+
+# Cores showing the mean result between steps whose ranks' own models go back on at the next forward that trains
+# (Sharing.show_mean), and the global forward pre-hook that does it, registered only while one waits.
+_WAITING: "weakref.WeakSet[Sharing]" = weakref.WeakSet()
+_wear_hook: List[Any] = []
+
+
+def _wear_at_forward(module: torch.nn.Module, args: Any) -> None:
+    """The first forward that trains (a module in training mode, gradients enabled) after a step: every waiting
+    core's rank puts its own model back on, before the module computes anything. Any module's forward will do: an
+    earlier one than the model's own changes nothing, since the step's forward sees the same parameters."""
+    if module.training and torch.is_grad_enabled():
+        for sh in list(_WAITING):
+            sh.wear_own()
+        if not _WAITING and _wear_hook:
+            _wear_hook.pop().remove()
+
+
+def _wait_for_forward(sh: "Sharing") -> None:
+    _WAITING.add(sh)
+    if not _wear_hook:
+        _wear_hook.append(torch.nn.modules.module.register_module_forward_pre_hook(_wear_at_forward))
+
+
+def _stop_waiting(sh: "Sharing") -> None:
+    _WAITING.discard(sh)
+    if not _WAITING and _wear_hook:
+        _wear_hook.pop().remove()
 
 
 class ConfigurationMismatchError(RuntimeError):
@@ -290,8 +320,15 @@ class Sharing:
             result minus what the rank has not sent yet, so its next gradients are taken where its own
             progress brought it and its optimizer does not push again what waits (:meth:`residual_into_params`;
             the mean result, the same on every rank, is the buckets' ``snapshot``). Sharing updates every step,
-            the ranks' parameters differ by what each holds back until :meth:`merge` or a link-aware all-reduce
-            step (:meth:`make_consistent`) resets them: CSER's bifurcated models and error reset (Xie et al. 2020).
+            the ranks' models differ by what each holds back until :meth:`merge` or a link-aware all-reduce
+            step (:meth:`make_consistent`) resets them: CSER's bifurcated models and error reset (Xie et al. 2020);
+            ``show_mean`` shows the mean result in the parameters between steps.
+        show_mean: with ``error_feedback="model"`` sharing updates every step (the DDP hook and SharedOptimizer set
+            it): between steps every rank's parameters are the mean result, the same bits on every rank, so that a
+            script evaluates and saves one model whatever rank it reads; the rank's own model (the mean result
+            minus what it has not sent) is put back on by the first forward that trains (:meth:`wear_own`), or at
+            the latest when the optimizer steps, so the training is the same, bit for bit. What a script writes to
+            float32 parameters between steps (a clamp, a pruning mask) is kept: it is taken as the mean result.
         momentum_masking: sharing the updates of torch.optim.SGD or Adam's kin (Adam, AdamW, NAdam, RAdam,
             Adamax): zero its momentum (SGD's buffer, Adam's first moment) where an element that waited in the
             residual is sent the other way from its last send (gradshare.momentum_masking). None (default):
@@ -304,7 +341,7 @@ class Sharing:
                  process_group=None, reduce: str = "mean", nonfinite: str = "raise", fallback: str = "auto",
                  stats: Optional[Statistics] = None, momentum: Optional[float] = None, clipping=None,
                  mode: str = "gradients", residual_decay: float = 1.0, link: Any = "auto", delay: int = 0,
-                 momentum_masking: Optional[bool] = None, error_feedback: str = "buffer"):
+                 momentum_masking: Optional[bool] = None, error_feedback: str = "buffer", show_mean: bool = False):
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite: expected 'raise' or 'skip', got {nonfinite!r}")
         if reduce not in REDUCE:
@@ -347,6 +384,8 @@ class Sharing:
         # Updates shared every step with what waits kept in each rank's model: the snapshot (the mean result,
         # the same on every rank) is held from one step's end to the next step's start.
         self.own_models = error_feedback == "model" and mode == "updates"
+        self.show_mean = bool(show_mean) and self.own_models
+        self._worn = True              # the parameters hold the rank's own model (or nothing is held back)
         self.optimizer = optimizer
         # Sharing an adaptive optimizer's updates (Adam's kin, RMSprop, Adagrad, Adadelta, Adamax, Adafactor):
         # each rank's step rescaled to the global batch's second moment (gradshare.second_moment); the steps
@@ -586,6 +625,7 @@ class Sharing:
             second_moment.to_own(self.optimizer, (p for b in self.buckets for p in b.params), self.world_size,
                                  self.rescale)
         self._consistent = False           # each rank's optimizer now steps on its own gradient
+        self.wear_own()                    # show_mean: the optimizer steps the rank's own model
         for b in (self.buckets if buckets is None else buckets):
             if self.own_models and b.start_held:
                 continue                   # the last step's mean result; the parameters are it minus the residual
@@ -619,7 +659,10 @@ class Sharing:
             results = self.run(items)
         except BaseException:
             self.restore_params(bs)
-            self.residual_into_params(bs)         # error_feedback="model": the rank's own start
+            if self.show_mean:
+                self._wait()
+            else:
+                self.residual_into_params(bs)     # error_feedback="model": the rank's own start
             raise
         ok = self.finish(results)
         if ok and watched:
@@ -628,7 +671,12 @@ class Sharing:
             for b in bs:                         # the mean result, then each rank's model minus what it kept
                 if ok:
                     b.snapshot.sub_(b.flat)
-                b.set_params_own()
+                if self.show_mean:
+                    b.set_params(b.snapshot)
+                else:
+                    b.set_params_own()
+            if self.show_mean:
+                self._wait()
         else:
             self._apply_mean(bs, [b.flat for b in bs], ok, outer)
         self.link_step_ended()
@@ -735,12 +783,16 @@ class Sharing:
         rank holds alike (an evaluation, one rank's checkpoint) between steps; what the block writes to the
         parameters is not kept. Nothing changes otherwise."""
         held = [b for b in self.buckets if self.own_models and b.start_held]
+        worn = self._worn
         self.restore_params(held)                 # Bucket's setters write under no_grad
         try:
             yield
         finally:
             for b in held:
-                b.set_params_own()
+                if worn:
+                    b.set_params_own()
+                else:
+                    b.set_params(b.snapshot)      # show_mean, between steps: the mean result, as before the block
 
     @contextlib.contextmanager
     def uncompressed(self):
@@ -864,6 +916,7 @@ class Sharing:
     def skip_step(self) -> None:
         """Records a step dropped before any exchange (every rank agreed its gradients were not finite)."""
         self.step_skipped = True
+        self.show_mean_now()
         self.stats.end_step()
         self.link_step_ended()
 
@@ -944,6 +997,8 @@ class Sharing:
         self.make_consistent(optimizer)
         for b in self.buckets:             # error_feedback="model": the next compressed step starts from here
             b.start_held = False
+        self._worn = True
+        _stop_waiting(self)
         self.rescale.observe((p for b in self.buckets for p in b.params), self.world_size)
 
     @torch.no_grad()
@@ -998,6 +1053,44 @@ class Sharing:
         self.step += 1
         self.stats.end_step()
         self.link_step_ended()
+
+    # ------------------------------------------------------------- show_mean: the mean result between steps
+    def _wait(self) -> None:
+        """show_mean: the parameters were just set to the mean result; the own model goes back on at the next
+        forward that trains."""
+        self._worn = not any(b.start_held for b in self.buckets)
+        if self._worn:
+            _stop_waiting(self)
+        else:
+            _wait_for_forward(self)
+
+    @torch.no_grad()
+    def show_mean_now(self) -> None:
+        """show_mean: every parameter the mean result (a step that ended without an exchange: skipped, or a
+        checkpoint just loaded); nothing otherwise."""
+        if not self.show_mean:
+            return
+        held = [b for b in self.buckets if b.start_held]
+        if self._worn:
+            self.restore_params(held)
+        self._wait()
+
+    @torch.no_grad()
+    def wear_own(self) -> None:
+        """show_mean: each rank's own model back on, the mean result minus what the rank has not sent (called by
+        the first forward that trains after a step, else by :meth:`begin_updates`). Float32 parameters are read
+        as the mean result first, so that what a script wrote to them between steps (identically on every rank,
+        as with DDP) is kept; others (bfloat16, say) hold it rounded, so it is taken from the ``snapshot``."""
+        if self._worn:
+            return
+        _stop_waiting(self)
+        self._worn = True
+        for b in self.buckets:
+            if b.start_held:
+                for p, s in b.views(b.snapshot):
+                    if p.dtype == torch.float32:
+                        s.copy_(p.detach())
+                b.set_params_own()
 
     @torch.no_grad()
     def residual_into_params(self, buckets: Optional[Sequence[Bucket]] = None) -> None:
@@ -1079,6 +1172,8 @@ class Sharing:
                 if b.snapshot is None:
                     b.snapshot = torch.empty(b.n, dtype=torch.float32, device=b.device)
                 b.snapshot.copy_(start.reshape(-1))
+        self._worn = True
+        self.show_mean_now()                   # show_mean: the mean result until the next forward that trains
         self.step = int(state["step"])
         self.stats.load_state_dict(state["stats"])
         self.step_skipped = False
