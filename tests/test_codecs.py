@@ -535,7 +535,7 @@ def test_compiled_encode_with_dynamic_sizes_matches_eager():
         assert_bits_equal(r1, r2)
 
 
-@pytest.mark.parametrize("kind,n", itertools.product(["topk", "ternary"], [1, 100]))
+@pytest.mark.parametrize("kind,n", list(itertools.product(["topk", "ternary"], [1, 100])))
 def test_numpy_inputs(kind, n):
     update, residual = _state(n)
     u, r = update.numpy(), residual.numpy().copy()
