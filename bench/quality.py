@@ -30,8 +30,8 @@ every workload), ``gradshare_gradients`` (the hook without ``optimizer=``: gradi
 batch's second moment: gradshare.second_moment), ``gradshare_delayed`` (``gradshare`` one step late:
 ``delay=1``, each step's mean update applied at the end of the next, ``flush()`` before evaluating),
 ``gradshare_model`` (``error_feedback="model"``, compressing every step: what a step does not send waits in each
-rank's model, and its default compression, the top 1% as signs; rank 0's own model is judged, without
-``merge()``; results.json and results.md also give the mean result every rank holds and the model after
+rank's model, and its default compression, the top 1% as signs; what rank 0's parameters show after the last
+step is judged, without ``merge()``: the mean result, as the DDP hook shows it between steps; results.json and results.md also give the mean result every rank holds and the model after
 ``merge()``), ``gradshare_model_1e-3`` (the same at 0.1% with 8-bit values: ``TargetSparsity(target=0.001)``)
 and ``single`` (one process alone, same batch per step: what sharing must beat). Any contender with
 ``@bf16`` appended trains under CPU bf16 autocast, with ``@fp16`` under fp16 autocast and a
@@ -330,9 +330,11 @@ def summarize(results: List[Dict]) -> str:
         own = [c for c in dict.fromkeys(r["contender"] for r in rows)
                if all(r.get("snapshot_metric") is not None for r in rows if r["contender"] == c)]
         if own:
-            lines.append("What waits kept in each rank's model, judged three ways (mean over seeds): rank 0's own "
-                         "model (above), the mean result every rank holds, and the model after `merge()`.\n")
-            lines.append("| contender | own | mean result | identical on every rank | after merge() | seeds |")
+            lines.append("What waits kept in each rank's model, judged three ways (mean over seeds): what rank 0's "
+                         "parameters show after the last step (above; the mean result, where the DDP hook and "
+                         "SharedOptimizer show it between steps), the mean result every rank holds "
+                         "(`state.mean_result()`), and the model after `merge()`.\n")
+            lines.append("| contender | shown | mean result | identical on every rank | after merge() | seeds |")
             lines.append("|---|---:|---:|---|---:|---:|")
             for c in own:
                 rs = [r for r in rows if r["contender"] == c]

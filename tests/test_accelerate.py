@@ -85,13 +85,13 @@ def test_the_one_line_trains_in_updates_mode_with_identical_replicas(tmp_path):
     check_one_line_run(res, STEPS, initial=cnn)
 
 
-def _resume(root, two=False):
+def _resume(root, two=False, error_feedback="buffer"):
     # link=None: the link-aware choice times steps, so two runs could take different paths.
-    full = _train(root, STEPS, save_at=STEPS // 2, link=None, two=two)
+    full = _train(root, STEPS, save_at=STEPS // 2, link=None, two=two, error_feedback=error_feedback)
     rank = dist.get_rank()
     saved = load(ga.state_file(root, rank))
     dist.barrier()                   # both ranks have read the folder before the second run loads it
-    resumed = _train(root, STEPS, resume=True, link=None, two=two)
+    resumed = _train(root, STEPS, resume=True, link=None, two=two, error_feedback=error_feedback)
     entry = saved.ranks[0]
     return {"full": full, "resumed": resumed, "saved": residual_of(entry["sharing"]),
             "moment": first_moment(entry["optimizers"][0] if two else entry["optimizer"]),
@@ -99,9 +99,10 @@ def _resume(root, two=False):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("two", [False, True], ids=["one optimizer", "two optimizers"])
-def test_load_state_continues_bit_for_bit_with_every_ranks_state(tmp_path, two):
-    res = run_local(_resume, 2, (str(tmp_path), two), timeout=150)
+@pytest.mark.parametrize("two, error_feedback", [(False, "buffer"), (True, "buffer"), (False, "model")],
+                         ids=["one optimizer", "two optimizers", "what waits in each model"])
+def test_load_state_continues_bit_for_bit_with_every_ranks_state(tmp_path, two, error_feedback):
+    res = run_local(_resume, 2, (str(tmp_path), two, error_feedback), timeout=150)
     # What makes per-rank files necessary: residuals and AdamW moments differ between the ranks.
     assert not np.array_equal(res[0]["saved"], res[1]["saved"]) and np.abs(res[1]["saved"]).sum() > 0
     assert not np.array_equal(res[0]["moment"], res[1]["moment"])

@@ -127,6 +127,22 @@ def test_a_nonfinite_gradient_in_the_closure_skips_that_step_everywhere():
         assert np.array_equal(r["params"], res[0]["params"])
 
 
+def _fit_model_feedback():
+    warnings.simplefilter("ignore")
+    module = _Module()
+    strategy = GradshareStrategy(link=None, error_feedback="model")
+    _trainer(strategy, 3 * BATCHES).fit(module, _loader())
+    verify_replicas(module.net)             # between steps every rank shows the mean result
+    sh = strategy.state.sharing
+    return {"held": float(sum(b.residual.abs().sum() for b in sh.buckets)), "steps": sh.step}
+
+
+@pytest.mark.slow
+def test_what_waits_in_each_model_trains_under_lightning_with_identical_replicas_between_steps():
+    for r in run_local(_fit_model_feedback, 2, timeout=120):
+        assert r["steps"] == 3 * BATCHES and r["held"] > 0
+
+
 def _resume(root):
     warnings.simplefilter("ignore")
     from lightning.pytorch.callbacks import ModelCheckpoint

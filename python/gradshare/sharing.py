@@ -24,8 +24,8 @@ Error feedback: the residual holds what was not sent yet; the policy (gradshare.
 to send of residual + update. With ``error_feedback="model"`` (sharing updates) each rank's parameters are the
 mean result minus its residual, so that its gradients see what waits (:class:`Sharing`'s argument; the ranks'
 parameters then differ until :meth:`Sharing.merge` or a link-aware all-reduce step; with ``show_mean``, which the
-DDP hook and SharedOptimizer set, only inside a step: between steps they show the mean result). Non-finite values (``nonfinite``): "raise" stops every rank with
-NonFiniteStepError; "skip" drops the step on every rank.
+DDP hook and SharedOptimizer set, only inside a step: between steps they show the mean result). Non-finite
+values (``nonfinite``): "raise" stops every rank with NonFiniteStepError; "skip" drops the step on every rank.
 
 All or nothing: a step either completes on every rank or changes no state. Whatever stops it (a
 non-finite value, a rank whose encoder raised, a message the decoder rejects, a failed or timed-out
