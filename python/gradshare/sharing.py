@@ -1083,14 +1083,24 @@ class Sharing:
         as with DDP) is kept; others (bfloat16, say) hold it rounded, so it is taken from the ``snapshot``."""
         if self._worn:
             return
+        self._read_shown()
         _stop_waiting(self)
         self._worn = True
+        for b in self.buckets:
+            if b.start_held:
+                b.set_params_own()
+
+    @torch.no_grad()
+    def _read_shown(self) -> None:
+        """show_mean, between steps: the mean result read back from the float32 parameters that show it (what a
+        script wrote to them, the same on every rank, becomes part of it)."""
+        if self._worn:
+            return
         for b in self.buckets:
             if b.start_held:
                 for p, s in b.views(b.snapshot):
                     if p.dtype == torch.float32:
                         s.copy_(p.detach())
-                b.set_params_own()
 
     @torch.no_grad()
     def residual_into_params(self, buckets: Optional[Sequence[Bucket]] = None) -> None:
@@ -1114,6 +1124,7 @@ class Sharing:
         the step counter and statistics totals (with delay=1 after the update in flight has landed, and its
         mean, not applied yet)."""
         late = self._late_means()               # first: landing commits residuals and counts the step
+        self._read_shown()                      # show_mean: what a script wrote to the shown mean result counts
         return {"step": self.step, "stats": self.stats.state_dict(),
                 "compression": self.compression.config(),
                 "buckets": [{"n": b.n, "residual": b.residual.detach().cpu().clone(),
