@@ -684,10 +684,12 @@ def _own_model_write_between_steps():
         for p in model.parameters():
             p.clamp_(-0.01, 0.01)
     clamped = _flat(model)
+    with state.mean_result():                # reads the mean result as shown, the write included
+        inside = _flat(model)
     x, y = _batch(r, 3)
     loss = F.cross_entropy(net(x), y)        # a forward that trains: the own model goes back on
     bs = state.sharing.buckets
-    out = {"clamped": clamped, "mean result": torch.cat([b.snapshot for b in bs]).numpy().copy(),
+    out = {"clamped": clamped, "inside": inside, "mean result": torch.cat([b.snapshot for b in bs]).numpy().copy(),
            "residual": torch.cat([b.residual for b in bs]).numpy().copy(),
            "own is mean minus residual": all(torch.equal(torch.cat([p.detach().reshape(-1) for p in b.params]),
                                                          b.snapshot - b.residual) for b in bs)}
@@ -706,7 +708,7 @@ def _own_model_write_between_steps():
 def test_model_feedback_keeps_what_a_script_writes_between_steps():
     for out in run_local(_own_model_write_between_steps, 2, timeout=300):
         assert np.abs(out["clamped"]).max() <= 0.01
-        assert np.array_equal(out["mean result"], out["clamped"])
+        assert np.array_equal(out["mean result"], out["clamped"]) and np.array_equal(out["inside"], out["clamped"])
         assert np.array_equal(out["saved"], out["clamped again"])
         assert out["own is mean minus residual"] and np.abs(out["residual"]).max() > 0
 

@@ -91,8 +91,7 @@ def _wear_at_forward(module: torch.nn.Module, args: Any) -> None:
     if module.training and torch.is_grad_enabled():
         for sh in list(_WAITING):
             sh.wear_own()
-        if not _WAITING and _wear_hook:
-            _wear_hook.pop().remove()
+        _stop_waiting(None)                  # also when the cores that waited are gone
 
 
 def _wait_for_forward(sh: "Sharing") -> None:
@@ -101,8 +100,9 @@ def _wait_for_forward(sh: "Sharing") -> None:
         _wear_hook.append(torch.nn.modules.module.register_module_forward_pre_hook(_wear_at_forward))
 
 
-def _stop_waiting(sh: "Sharing") -> None:
-    _WAITING.discard(sh)
+def _stop_waiting(sh: Optional["Sharing"]) -> None:
+    if sh is not None:
+        _WAITING.discard(sh)
     if not _WAITING and _wear_hook:
         _wear_hook.pop().remove()
 
@@ -660,7 +660,7 @@ class Sharing:
         except BaseException:
             self.restore_params(bs)
             if self.show_mean:
-                self._wait()
+                self._await_forward()
             else:
                 self.residual_into_params(bs)     # error_feedback="model": the rank's own start
             raise
@@ -676,7 +676,7 @@ class Sharing:
                 else:
                     b.set_params_own()
             if self.show_mean:
-                self._wait()
+                self._await_forward()
         else:
             self._apply_mean(bs, [b.flat for b in bs], ok, outer)
         self.link_step_ended()
@@ -784,6 +784,7 @@ class Sharing:
         parameters is not kept. Nothing changes otherwise."""
         held = [b for b in self.buckets if self.own_models and b.start_held]
         worn = self._worn
+        self._read_shown()                        # show_mean: what a script wrote to the shown mean result counts
         self.restore_params(held)                 # Bucket's setters write under no_grad
         try:
             yield
@@ -997,8 +998,7 @@ class Sharing:
         self.make_consistent(optimizer)
         for b in self.buckets:             # error_feedback="model": the next compressed step starts from here
             b.start_held = False
-        self._worn = True
-        _stop_waiting(self)
+        self._await_forward()              # show_mean: nothing held now, so nothing to wait for
         self.rescale.observe((p for b in self.buckets for p in b.params), self.world_size)
 
     @torch.no_grad()
@@ -1055,9 +1055,9 @@ class Sharing:
         self.link_step_ended()
 
     # ------------------------------------------------------------- show_mean: the mean result between steps
-    def _wait(self) -> None:
-        """show_mean: the parameters were just set to the mean result; the own model goes back on at the next
-        forward that trains."""
+    def _await_forward(self) -> None:
+        """show_mean: the parameters were just set to the mean result (or nothing is held back); the own model goes
+        back on at the next forward that trains."""
         self._worn = not any(b.start_held for b in self.buckets)
         if self._worn:
             _stop_waiting(self)
@@ -1073,7 +1073,7 @@ class Sharing:
         held = [b for b in self.buckets if b.start_held]
         if self._worn:
             self.restore_params(held)
-        self._wait()
+        self._await_forward()
 
     @torch.no_grad()
     def wear_own(self) -> None:
