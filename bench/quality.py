@@ -4,7 +4,8 @@ Every contender trains the same workload (bench/workloads.py) from the same seed
 for the same number of steps, with the same optimizer and learning-rate schedule (cosine annealing to 0;
 ``--schedule constant``: none); only the exchange differs. Each run is a real
 job of ``--workers`` processes over gloo on loopback (gradshare.workers.run_local). Reported per
-workload and contender: the final metric (test accuracy, or validation loss for the language model and the regression) as
+workload and contender: the final metric (test accuracy, or validation loss for the language models, the copy task and
+the regression) as
 mean [min, max] over the seeds, its difference from DDP paired by seed, and the bytes over the whole run
 against DDP's. Bytes are counted the same way for every contender: the ring-model bytes of every
 collective a rank issues during training steps (an allreduce of B bytes sends 2(W-1)/W*B, an all-gather

@@ -43,3 +43,27 @@ def test_the_regression_workload_is_judged_by_squared_error_to_noiseless_targets
     assert data.evaluate(Zero()) == pytest.approx(float((data.valid[1] ** 2).mean()))
     model = workloads.WORKLOADS["regression"].model()
     assert sum(p.numel() for p in model.parameters()) == 16 * 256 + 256 + 256 * 256 + 256 + 256 * 4 + 4
+
+
+def test_the_copy_workload_asks_for_the_previous_token_and_judges_held_out_sequences():
+    import torch
+
+    workloads = pytest.importorskip("workloads")
+    data = workloads.Data("copy_lstm", seed=0)
+    x0, y0 = data.batch(3, rank=0, world=2, size=16)
+    x1, _ = data.batch(3, rank=1, world=2, size=16)
+    assert x0.shape == y0.shape == (16, workloads.COPY_LENGTH)
+    assert torch.equal(y0[:, 1:], x0[:, :-1]) and not y0[:, 0].any()   # each target the token before
+    assert not torch.equal(x0, x1) and torch.equal(data.batch(3, 0, 2, 16)[0], x0)
+    assert not torch.equal(workloads.Data("copy_lstm", seed=1).batch(3, 0, 2, 16)[0], x0)
+    assert torch.equal(workloads.Data("copy_lstm", seed=1).valid[0], data.valid[0])   # one held-out set
+
+    class Oracle(torch.nn.Module):                                       # the exact answer: no loss left
+        def forward(self, x):
+            prev = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1)
+            return 100.0 * torch.nn.functional.one_hot(prev, workloads.COPY_VOCAB).float()
+
+    assert data.evaluate(Oracle()) < 1e-6
+    model = workloads.WORKLOADS["copy_lstm"].model()
+    assert model(x0).shape == (16, workloads.COPY_LENGTH, workloads.COPY_VOCAB)
+    assert model.head.weight is model.emb.weight                         # tied

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradshare import Adaptive, SharedOptimizer, ThresholdState, threshold_hook, verify_replicas
+from gradshare.models import TiedLSTM
 from gradshare.workers import run_local
 
 
@@ -289,21 +290,6 @@ def test_ddp_options_and_no_sync_accumulation(ddp_kw, accumulate):
 
 
 # -- users' scripts as they come: the one line added, whatever else the script does -------------------------
-class _TiedLSTM(nn.Module):
-    """A small LM whose output layer is its embedding (tied weights), with an LSTM and a LayerNorm."""
-
-    def __init__(self, vocab=24, width=24):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, width)
-        self.rnn = nn.LSTM(width, width, batch_first=True)
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, x):
-        return self.head(self.norm(self.rnn(self.emb(x))[0]))
-
-
 def _copy_task(step, rank, vocab=24):
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randint(0, vocab, (8, 16), generator=g)
@@ -313,7 +299,7 @@ def _copy_task(step, rank, vocab=24):
 def _user_script(variant, sharing, steps=60):
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
-    model = _TiedLSTM()
+    model = TiedLSTM()
     if variant == "bf16_parameters":
         model = model.to(torch.bfloat16)
     ddp = DDP(model)
@@ -437,12 +423,12 @@ def _gradients_mode_told(opt_name, given):
     return [(str(w.message), w.filename, w.lineno) for w in told]
 
 
-def _optimizer_built_again(variant):
+def _optimizer_built_again(variant, feedback="buffer"):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     ddp = DDP(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-    ddp.register_comm_hook(ThresholdState(optimizer=opt, link=None), threshold_hook)
+    ddp.register_comm_hook(ThresholdState(optimizer=opt, link=None, error_feedback=feedback), threshold_hook)
     g = torch.Generator().manual_seed(dist.get_rank())
 
     def steps(net, o, k):
@@ -469,17 +455,20 @@ def _optimizer_built_again(variant):
     elif variant == "new_ddp":                      # done as the error says: a new DDP model and state
         opt2 = torch.optim.AdamW(model.parameters(), lr=1e-2)
         ddp2 = DDP(model)
-        ddp2.register_comm_hook(ThresholdState(optimizer=opt2, link=None), threshold_hook)
+        ddp2.register_comm_hook(ThresholdState(optimizer=opt2, link=None, error_feedback=feedback), threshold_hook)
         steps(ddp2, opt2, 2)
     else:
         steps(ddp, Wrapper(opt), 2)
-    verify_replicas(model)                          # the refused step did not happen: nothing differs
+    # the refused step did not happen: nothing differs (error_feedback="model": the mean result shown again, and
+    # a new state over the model starts from it, not from each rank's own model that the old state held back)
+    verify_replicas(model)
     return said
 
 
+@pytest.mark.parametrize("feedback", ["buffer", "model"])
 @pytest.mark.parametrize("variant", ["rebuilt", "new_ddp", "wrapper"])
-def test_an_optimizer_the_state_was_not_given_is_refused_before_replicas_differ(variant):
-    said = run_local(_optimizer_built_again, 2, (variant,), threads=1, timeout=300)
+def test_an_optimizer_the_state_was_not_given_is_refused_before_replicas_differ(variant, feedback):
+    said = run_local(_optimizer_built_again, 2, (variant, feedback), threads=1, timeout=300)
     if variant != "rebuilt":
         assert said == [None, None]
         return

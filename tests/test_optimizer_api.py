@@ -26,6 +26,7 @@ def _schedulers():
 def _wrappers():
     return {
         "SharedOptimizer": lambda m, o: SharedOptimizer(o),
+        "SharedOptimizer model": lambda m, o: SharedOptimizer(o, error_feedback="model", link=None),
         "ParameterAveraging": lambda m, o: ParameterAveraging(m, o, frequency=3),
         "ParameterAveraging DiLoCo": lambda m, o: ParameterAveraging(
             m, o, frequency=3, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)),

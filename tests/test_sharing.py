@@ -420,12 +420,17 @@ def test_default_compression_follows_the_optimizer():
         def step(self, closure=None):
             pass
 
-    for front in (lambda: SharedOptimizer(Unknown([w])).compression,
-                  lambda: ThresholdState(optimizer=Unknown([w])).sharing.compression):
+    model = dict(error_feedback="model")
+    for front, kind, assumed in (
+            (lambda: SharedOptimizer(Unknown([w])).compression, Ternary, "ternary-coded"),
+            (lambda: ThresholdState(optimizer=Unknown([w])).sharing.compression, Ternary, "ternary-coded"),
+            (lambda: SharedOptimizer(Unknown([w]), **model).compression, TopK, "not rescaled"),
+            (lambda: ThresholdState(optimizer=Unknown([w]), **model).sharing.compression, TopK, "not rescaled")):
         gradshare.compression._warned.discard("Unknown")
         with pytest.warns(UserWarning, match="Unknown is not an optimizer gradshare knows") as caught:
-            assert isinstance(front(), Ternary)
+            assert isinstance(front(), kind)
         assert caught[0].filename == __file__       # the warning names the user's line, not gradshare's
+        assert assumed in str(caught[0].message)    # and says what was assumed
     # Rprop's steps span decades (TopK); Adafactor divides by a second moment (Ternary, no warning)
     assert isinstance(SharedOptimizer(torch.optim.Rprop([w])).compression, TopK)
     if hasattr(torch.optim, "Adafactor"):
@@ -711,6 +716,48 @@ def test_model_feedback_keeps_what_a_script_writes_between_steps():
         assert np.array_equal(out["mean result"], out["clamped"]) and np.array_equal(out["inside"], out["clamped"])
         assert np.array_equal(out["saved"], out["clamped again"])
         assert out["own is mean minus residual"] and np.abs(out["residual"]).max() > 0
+
+
+def _two_models_in_one_process():
+    """Two models trained side by side in one process (a GAN's generator and discriminator), each shared with
+    what waits in its own model: one's forward puts on only its own model, the other keeps showing its mean."""
+    warnings.simplefilter("ignore")
+    r = dist.get_rank()
+    kw = dict(compression=TopK(0.05, values="sign"), link=None, error_feedback="model")
+    models = [_net(), _net()]
+    opts = [SharedOptimizer(torch.optim.Adam(m.parameters(), lr=1e-2), **kw) for m in models]
+    for step in range(4):
+        for m, o in zip(models, opts):
+            x, y = _batch(r, step)
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+
+    def shows(i, what):
+        bs = opts[i].sharing.buckets
+        want = torch.cat([b.snapshot if what == "mean" else b.snapshot - b.residual for b in bs])
+        return torch.equal(torch.cat([p.detach().reshape(-1) for p in models[i].parameters()]), want)
+
+    out = {"both show the mean": shows(0, "mean") and shows(1, "mean")}
+    loss = F.cross_entropy(models[0](_batch(r, 9)[0]), _batch(r, 9)[1])     # the first model's forward
+    out["first own, second mean"] = shows(0, "own") and shows(1, "mean")
+    verify_replicas(models[1])                   # the second model's parameters are the same on every rank
+    out["held back"] = float(sum(b.residual.abs().sum() for o in opts for b in o.sharing.buckets))
+    models[1](_batch(r, 9)[0])
+    out["then both own"] = shows(0, "own") and shows(1, "own")
+    loss.backward()
+    opts[0].step()                               # the mean result shown again, until the next forward
+    opts[0].add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    out["waits after add_param_group"] = opts[0].sharing in gradshare.sharing._WAITING
+    return out
+
+
+@pytest.mark.slow
+def test_model_feedback_wears_each_model_at_its_own_forward():
+    for out in run_local(_two_models_in_one_process, 2, timeout=300):
+        assert out["held back"] > 0
+        assert out["both show the mean"] and out["first own, second mean"] and out["then both own"]
+        assert out["waits after add_param_group"]    # a group added to a core is not a new core
 
 
 def _own_model_resume(steps, save_at):

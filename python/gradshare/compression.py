@@ -272,20 +272,23 @@ def for_optimizer(optimizer: Optional[torch.optim.Optimizer], own_models: bool =
     """The default for ``optimizer``: TopK() for SGD-like ones, Ternary() for adaptive ones and, after a
     warning (once per class), for classes gradshare does not know. None (no optimizer known): TopK().
     ``own_models`` (sharing updates with error_feedback="model"): TopK(0.01, values="sign") for any optimizer,
-    whose gradients see what waits, so Adam's steps of similar size no longer need every element sent."""
+    whose gradients see what waits, so Adam's steps of similar size no longer need every element sent; a class
+    gradshare does not know gets a warning there too (its adaptive steps, if any, are not rescaled)."""
+    known = optimizer is None or isinstance(optimizer, SGD_LIKE + ADAPTIVE)
+    name = type(optimizer).__name__
+    if not known and name not in _warned:
+        _warned.add(name)
+        assumed = ("sharing each rank's steps as it takes them (an adaptive step is not rescaled to the global "
+                   "batch's second moment), the top 1% as signs" if own_models else
+                   "assuming its updates are like Adam's (entries of similar size) and sharing them ternary-coded, "
+                   "16x smaller than float32")
+        warnings.warn(f"gradshare: {name} is not an optimizer gradshare knows; {assumed}. Pass "
+                      "compression=gradshare.TopK(...) or gradshare.Ternary(...) to choose.",
+                      UserWarning, stacklevel=_caller_outside_gradshare())
     if own_models:
         return TopK(**OWN_MODEL_DEFAULT)
     if optimizer is None or isinstance(optimizer, SGD_LIKE):
         return TopK()
-    if isinstance(optimizer, ADAPTIVE):
-        return Ternary()
-    name = type(optimizer).__name__
-    if name not in _warned:
-        _warned.add(name)
-        warnings.warn(f"gradshare: {name} is not an optimizer gradshare knows; assuming its updates are like "
-                      "Adam's (entries of similar size) and sharing them ternary-coded, 16x smaller than float32. "
-                      "Pass compression=gradshare.TopK(...) or gradshare.Ternary(...) to choose.",
-                      UserWarning, stacklevel=_caller_outside_gradshare())
     return Ternary()
 
 

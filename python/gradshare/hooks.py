@@ -512,6 +512,8 @@ def _watch_optimizer_steps(state: ThresholdState) -> None:
                     covered.update(id(p) for sh in st.sharings for b in sh.buckets for p in b.params)
                 foreign = verdicts[opt] = not given(st, opt) and holds(opt, covered)
             if foreign:
+                for sh in st.sharings:     # error_feedback="model": the mean result again, the same on every rank
+                    sh.show_mean_now()
                 raise RuntimeError(
                     f"gradshare: a {type(opt).__name__} that ThresholdState(optimizer=...) was not given steps "
                     "parameters whose updates it shares, on each rank's own gradients: the replicas would differ. "

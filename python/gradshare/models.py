@@ -31,3 +31,19 @@ class SmallCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
+
+
+class TiedLSTM(nn.Module):
+    """A small language model whose output layer is its embedding (tied weights): embedding(width) -> one LSTM
+    layer -> LayerNorm -> the embedding's transpose. Takes token ids (batch, length), returns logits."""
+
+    def __init__(self, vocab: int = 24, width: int = 24):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.rnn = nn.LSTM(width, width, batch_first=True)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.rnn(self.emb(x))[0]))

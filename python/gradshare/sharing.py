@@ -85,12 +85,14 @@ _wear_hook: List[Any] = []
 
 
 def _wear_at_forward(module: torch.nn.Module, args: Any) -> None:
-    """The first forward that trains (a module in training mode, gradients enabled) after a step: every waiting
-    core's rank puts its own model back on, before the module computes anything. Any module's forward will do: an
-    earlier one than the model's own changes nothing, since the step's forward sees the same parameters."""
+    """The first forward that trains (a module in training mode, gradients enabled) after a step, of a module
+    that holds parameters a waiting core shares: that core's rank puts its own model back on, before the module
+    computes anything (the model's first module with parameters, or the DDP module around it). Another model's
+    forward (a second model sharing in the same process: a GAN's, a run resumed beside the first) leaves it be."""
     if module.training and torch.is_grad_enabled():
         for sh in list(_WAITING):
-            sh.wear_own()
+            if any(id(p) in sh._param_ids for p in module.parameters()):
+                sh.wear_own()
         _stop_waiting(None)                  # also when the cores that waited are gone
 
 
@@ -105,6 +107,15 @@ def _stop_waiting(sh: Optional["Sharing"]) -> None:
         _WAITING.discard(sh)
     if not _WAITING and _wear_hook:
         _wear_hook.pop().remove()
+
+
+def _supersede(params: set) -> None:
+    """A new core now shares parameters (ids) that a waiting core shows its mean result in (a script that wraps
+    the model in a new DDP with a new state, as it must to change its optimizer): the old core no longer puts its
+    own model back on at a forward, so the new core starts from the mean result, the same on every rank. The old
+    core, if stepped again, still puts its own model on first (Sharing.begin_updates)."""
+    for old in [sh for sh in _WAITING if sh._param_ids & params]:
+        _stop_waiting(old)
 
 
 class ConfigurationMismatchError(RuntimeError):
@@ -386,6 +397,7 @@ class Sharing:
         self.own_models = error_feedback == "model" and mode == "updates"
         self.show_mean = bool(show_mean) and self.own_models
         self._worn = True              # the parameters hold the rank's own model (or nothing is held back)
+        self._param_ids: set = set()   # id() of every parameter the buckets hold (the forward pre-hook's test)
         self.optimizer = optimizer
         # Sharing an adaptive optimizer's updates (Adam's kin, RMSprop, Adagrad, Adadelta, Adamax, Adafactor):
         # each rank's step rescaled to the global batch's second moment (gradshare.second_moment); the steps
@@ -442,6 +454,7 @@ class Sharing:
     def build(self, params: Iterable[torch.Tensor], cap_mb: float = 25.0) -> List[Bucket]:
         """Buckets for ``params`` (gradshare.sharing.group_parameters); replaces the current ones."""
         self.buckets = []
+        self._param_ids = set()
         return self.extend(params, cap_mb)
 
     def extend(self, params: Iterable[torch.Tensor], cap_mb: float = 25.0) -> List[Bucket]:
@@ -454,6 +467,9 @@ class Sharing:
             raise ValueError(f"parameters {again} of the new group are shared already (in an earlier group)")
         new = [self.new_bucket(len(self.buckets) + i, ps) for i, ps in enumerate(group_parameters(params, cap_mb))]
         self.buckets.extend(new)
+        added = {id(p) for b in new for p in b.params}
+        _supersede(added)                     # before this core holds them: it is not superseded by itself
+        self._param_ids |= added
         return new
 
     # ------------------------------------------------------------------------------------- agreement

@@ -151,6 +151,10 @@ def _only_through_wrapper(wrappers: "weakref.WeakSet[WrappedOptimizer]") -> Call
         if not sharing:
             return
         inner, outer = type(opt).__name__, type(sharing[0]).__name__
+        for w in sharing:                  # error_feedback="model": the mean result again, the same on every rank
+            core = getattr(w, "sharing", None)
+            if core is not None:
+                core.show_mean_now()
         raise RuntimeError(f"gradshare: {inner}.step() was called directly, but a {outer} wraps it: call the "
                            f"{outer}'s step() (give the {outer} to a GradScaler, scheduler or training framework "
                            f"too). Stepped directly, each rank steps on its own gradient and nothing is shared.")
