@@ -7,6 +7,7 @@ unchanged ("skip"), and with one rank nothing is encoded.
 """
 import gc
 import pickle
+import time
 import warnings
 import weakref
 
@@ -300,7 +301,14 @@ def _freed_when_dropped():
         scaled_steps(model, net, opt, scaler=scaler, steps=3) if scaler is not None else _plain_steps(net, opt)
         refs = (weakref.ref(net), weakref.ref(opt))
         model = net = opt = None             # the script moves on (a sweep's next run, or `del model`)
+        # A collective that ended still holds its callbacks (and through them the state) until the backend's
+        # thread lets go of it, which on a loaded machine can come after this line: wait for that, bounded. A
+        # reference the script's frame kept would hold them for good.
+        deadline = time.monotonic() + 20
         gc.collect()
+        while any(r() is not None for r in refs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            gc.collect()
         freed[name] = all(r() is None for r in refs)
     return freed
 
