@@ -68,6 +68,9 @@ def test_dead_worker_ends_the_run():
 
 
 def _stall_in_rank_1():
+    # both ranks connected first: else rank 0, done at once, may leave while rank 1 still connects to it (on a
+    # loaded machine), and rank 1's process group fails instead of stalling
+    dist.barrier()
     if dist.get_rank() == 1:
         time.sleep(600)
 
