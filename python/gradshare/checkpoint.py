@@ -22,8 +22,10 @@ Checkpoints are data, not programs. A file is one header line (JSON: format, ver
 payload length and a SHA-256 over those and the payload) and the payload, a ``torch.save`` of plain data: tensors, numbers, strings,
 bytes, lists, tuples and dicts (numpy arrays and scalars are stored as tensors and numbers; anything else is
 refused when saving, naming the key). Loading reads the header, checks the checksum and only then reads the
-payload, with ``torch.load(weights_only=True)``: a corrupt, truncated or foreign file is rejected with a
-one-line reason, and a file holding pickled code is never executed.
+payload, with ``torch.load(weights_only=True)``, once the payload is a zip archive whose every record is in bounds
+and matches its CRC (torch's own reader trusts the archive's sizes, so a damaged one could read past the payload):
+a corrupt, truncated or foreign file is rejected with a one-line reason, and a file holding pickled code is never
+executed.
 
 Under an initialised process group :func:`save` is collective (every rank calls it with the same step): the
 per-rank dicts are gathered to rank 0, rank 0 writes, and the outcome is broadcast, so every rank returns
@@ -39,6 +41,7 @@ import random
 import re
 import secrets
 import warnings
+import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
@@ -352,6 +355,7 @@ def load(path: str, map_location: Any = "cpu") -> Checkpoint:
         with open(path, "rb") as f:
             f.readline(MAX_HEADER + 1)
             data = f.read(head["bytes"])
+        _check_archive(data)
         with warnings.catch_warnings():   # torch warns about the pickle protocol of files it then refuses
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
@@ -365,6 +369,19 @@ def load(path: str, map_location: Any = "cpu") -> Checkpoint:
         raise CheckpointError(f"{path}: checkpoint payload lacks its state or per-rank state")
     return Checkpoint(path=path, step=head["step"], world_size=head["world_size"], state=raw["state"],
                       ranks=raw["ranks"])
+
+
+def _check_archive(data: bytes) -> None:
+    """Raises unless ``data`` is a zip archive (what torch.save writes) whose records all lie inside it and match
+    their CRCs: a payload behind a valid checksum can still be damaged (or written by hand), and torch's reader
+    takes the sizes an archive states at their word, so a wrong one reads past the record."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError, NotImplementedError) as exc:
+        raise ValueError(f"not a sound zip archive: {exc}") from None
+    if bad is not None:
+        raise ValueError(f"record {bad!r} does not match its CRC")
 
 
 def latest(directory: str) -> Optional[str]:
