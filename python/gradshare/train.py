@@ -136,7 +136,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--error-feedback", choices=["buffer", "model"],
                    help="sparse_local, shared_gradients (--share updates): where what a round or step does not send "
                         "waits: in an error-feedback buffer, every model set to the mean, or in each worker's own "
-                        f"model (default: {SPARSE_LOCAL_ERROR_FEEDBACK} for sparse_local, buffer for shared_gradients)")
+                        f"model (default: {SPARSE_LOCAL_ERROR_FEEDBACK} for sparse_local and shared_gradients)")
     p.add_argument("--fragments", type=argtypes.integer(1), metavar="F",
                    help="diloco, sparse_local: rounds of F fragments of the model, staggered over the period "
                         "(streaming; default 1)")
@@ -243,7 +243,7 @@ def build_config(opts: Dict[str, Any]) -> TrainConfig:
     elif mode == "shared_gradients":
         extra["compression"] = parse_compression(opts.get("compression", opts.get("threshold", "auto")))
         extra["link"] = None if opts.get("link", "auto") == "off" else "auto"
-        extra["error_feedback"] = opts.get("error_feedback") or "buffer"
+        extra["error_feedback"] = opts.get("error_feedback")
     return TrainConfig(model=model, optimizer=optimizer, train_data=data, validation_data=data,
                        epochs=int(opts.get("epochs", 12)), batch_size=int(opts.get("batch_size", 32)),
                        shared=opts.get("share", "updates"),
@@ -426,7 +426,7 @@ def _run_and_report(args: argparse.Namespace, opts: Dict[str, Any], launch: Dict
     dense = sum(h["dense_bytes"] for h in history)
     print(f"final test accuracy: {100 * last['val_accuracy']:.2f}% (test loss {last['val_loss']:.4f})")
     print(f"wall time: {wall:.1f} s ({result['seconds']:.1f} s in the training loop)")
-    ratio = f", {dense / sent:.1f}x less" if sent else ""
+    ratio = f", {loop.vs_dense(sent, dense)}" if sent else ""
     print(f"bytes sent (all workers): {_fmt_bytes(sent)}; dense allreduce would have sent {_fmt_bytes(dense)}"
           f"{ratio}")
     densities = [h["density"] for h in history if h.get("density") is not None]
