@@ -42,15 +42,22 @@ os.environ.setdefault("RUST_LOG", "warn")   # torchft's Rust servers log every q
 CONTENDERS: Dict[str, str] = {
     "ddp_allreduce": "DDP, default float32 allreduce",
     "gradshare_auto": "DDP + gradshare threshold_hook with ThresholdState(optimizer=opt): the defaults (link-aware: "
-                      "DDP's all-reduce where the link makes it faster, else the SGD's updates shared, top-k)",
+                      "DDP's all-reduce where the link makes it faster, else the SGD's updates shared, the top 5% as "
+                      "signs, what a step does not send waiting in each rank's model)",
     "gradshare_optimizer_auto": "gradshare SharedOptimizer(opt): the defaults (link-aware)",
     "gradshare_compressed": "DDP + gradshare threshold_hook with ThresholdState(optimizer=opt, link=None): the defaults' "
                             "compression at every step, whatever the link",
-    "gradshare_signs": "gradshare_compressed with the top entries sent as signs (compression=TopK(values=\"sign\")): "
+    "gradshare_buffer_auto": "gradshare_auto with error_feedback=\"buffer\": what a step does not send waits in "
+                             "gradshare's residual (every rank's model the mean result at every point; top-k with 8-bit values "
+                             "for SGD)",
+    "gradshare_buffer_optimizer_auto": "gradshare_optimizer_auto with error_feedback=\"buffer\"",
+    "gradshare_buffer_compressed": "gradshare_compressed with error_feedback=\"buffer\"",
+    "gradshare_signs": "gradshare_buffer_compressed with the top entries sent as signs (compression=TopK(values=\"sign\")): "
                        "each +-its chunk's mean, positions Elias-Fano coded, ~8.6 bits an entry at 2% where 8-bit "
                        "values take 24",
-    "gradshare_model": "DDP + gradshare threshold_hook with ThresholdState(optimizer=opt, error_feedback=\"model\"): "
-                       "what a step does not send waits in each rank's model; the top 1% as signs; link-aware",
+    "gradshare_model": "DDP + gradshare threshold_hook with ThresholdState(optimizer=opt, error_feedback=\"model\", "
+                       "compression=TopK(0.01, values=\"sign\")): what a step does not send waits in each rank's "
+                       "model, the top 1% as signs (a fifth of the defaults' message); link-aware",
     "gradshare_model_compressed": "gradshare_model compressing every step (link=None)",
     "gradshare_delayed": "gradshare_compressed one step late (delay=1): each step's mean update applied at the end of "
                          "the next, its exchange overlapping that step; evaluated as it trains",
@@ -114,6 +121,9 @@ def missing_reason(contender: str) -> Optional[str]:
     """Why a contender cannot run in this environment (its gradshare module is absent), else None."""
     contender = split_period(contender)[0]
     need = {"gradshare_auto": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
+            "gradshare_buffer_auto": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
+            "gradshare_buffer_compressed": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
+            "gradshare_buffer_optimizer_auto": ("gradshare.optim", ("SharedOptimizer",)),
             "gradshare_compressed": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
             "gradshare_signs": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
             "gradshare_delayed": ("gradshare.hooks", ("ThresholdState", "threshold_hook")),
@@ -301,7 +311,7 @@ def setup_contender(contender: str, model: nn.Module, args, task: Task, timer: T
 
     if name in ("ddp_allreduce", "ddp_python_hook", "ddp_fp16", "ddp_powersgd", "gradshare_auto", "gradshare_compressed",
                 "gradshare_signs", "gradshare_delayed", "gradshare_model", "gradshare_model_compressed",
-                "gradshare_hook", "gradshare_hook_dgc"):
+                "gradshare_buffer_auto", "gradshare_buffer_compressed", "gradshare_hook", "gradshare_hook_dgc"):
         if name == "ddp_powersgd":
             # One bucket: on gloo, powerSGD_hook issues its Q allreduce from the P allreduce's callback, which
             # races with the next bucket's hook, so ranks can order collectives differently and gloo aborts
@@ -326,16 +336,20 @@ def setup_contender(contender: str, model: nn.Module, args, task: Task, timer: T
             ddp.register_comm_hook(state, timer.wrap(ps.powerSGD_hook))
             info.update(start_powerSGD_iter=start, matrix_approximation_rank=args.powersgd_rank)
         elif name in ("gradshare_auto", "gradshare_compressed", "gradshare_signs", "gradshare_delayed",
-                      "gradshare_model", "gradshare_model_compressed"):
+                      "gradshare_model", "gradshare_model_compressed", "gradshare_buffer_auto",
+                      "gradshare_buffer_compressed"):
             from gradshare.compression import TopK
             from gradshare.hooks import ThresholdState, threshold_hook
 
             opt = sgd(ddp.parameters())
             kwargs = {"gradshare_auto": {}, "gradshare_compressed": {"link": None},
-                      "gradshare_signs": {"link": None, "compression": TopK(values="sign")},
+                      "gradshare_signs": {"link": None, "compression": TopK(values="sign"), "error_feedback": "buffer"},
                       "gradshare_delayed": {"link": None, "delay": 1},
-                      "gradshare_model": {"error_feedback": "model"},
-                      "gradshare_model_compressed": {"link": None, "error_feedback": "model"}}[name]
+                      "gradshare_model": {"error_feedback": "model", "compression": TopK(0.01, values="sign")},
+                      "gradshare_model_compressed": {"link": None, "error_feedback": "model",
+                                                     "compression": TopK(0.01, values="sign")},
+                      "gradshare_buffer_auto": {"error_feedback": "buffer"},
+                      "gradshare_buffer_compressed": {"link": None, "error_feedback": "buffer"}}[name]
             state = ThresholdState(optimizer=opt, **kwargs)
             ddp.register_comm_hook(state, timer.wrap(threshold_hook))
             info["compression"] = repr(state.sharing.compression)
@@ -369,10 +383,11 @@ def setup_contender(contender: str, model: nn.Module, args, task: Task, timer: T
         opt = PostLocalSGDOptimizer(sgd(model.parameters()), PeriodicModelAverager(period=period, warmup_steps=0))
         info["period"] = period
         return model, opt, info, account
-    if name == "gradshare_optimizer_auto":
+    if name in ("gradshare_optimizer_auto", "gradshare_buffer_optimizer_auto"):
         from gradshare.optim import SharedOptimizer
 
-        opt = SharedOptimizer(sgd(model.parameters()))
+        opt = SharedOptimizer(sgd(model.parameters()),
+                              **({"error_feedback": "buffer"} if name == "gradshare_buffer_optimizer_auto" else {}))
         info["compression"] = repr(opt.compression)
         account = lambda: {"bytes_sent": opt.stats.bytes_sent, "dense_bytes": opt.stats.dense_bytes,  # noqa: E731
                            "summary": _jsonable(opt.stats.summary()), "link": _link(opt.sharing)}

@@ -21,20 +21,24 @@ given all of them (``ThresholdState(optimizer=[...])``; ``opt`` in a ``gs:`` exp
 
 Contenders: ``ddp`` (DDP allreduce), ``powersgd`` (torch's PowerSGD hook, rank 2, dense for the first 10%
 of steps as its docs advise), ``gradshare`` (DDP + ``ThresholdState(optimizer=opt, link=None)``: the
-defaults with compression on at every step), ``gradshare_auto`` (``ThresholdState(optimizer=opt)`` as is:
+defaults with compression on at every step: what a step does not send waits in each rank's model, the top 5% as
+signs; what rank 0's parameters show after the last step is judged, the mean result, identical on every rank, as
+the DDP hook shows it between steps), ``gradshare_auto`` (``ThresholdState(optimizer=opt)`` as is:
 link-aware, so on this loopback link mostly DDP's all-reduce; gradshare.link),
 ``gradshare_1e-2`` / ``gradshare_1e-3`` (forced densities, ``compression=TargetSparsity(d)``), and for
-the record of how the defaults were chosen: ``gradshare_ternary`` / ``gradshare_topk`` (the two codecs on
-every workload), ``gradshare_gradients`` (the hook without ``optimizer=``: gradients shared),
+the record of how the residual buffer's defaults were chosen: ``gradshare_ternary`` /
+``gradshare_topk`` (the two codecs on every workload), ``gradshare_gradients`` (the hook without ``optimizer=``: gradients shared),
 ``gradshare_strom`` (DL4J's +-tau with an Adaptive threshold, gradients shared: gradshare's former default),
-``gradshare_own_moment`` (the defaults with each rank's adaptive step left as its own, not rescaled to the global
+``gradshare_own_moment`` (``gradshare_buffer`` with each rank's adaptive step left as its own, not rescaled to the global
 batch's second moment: gradshare.second_moment), ``gradshare_delayed`` (``gradshare`` one step late:
 ``delay=1``, each step's mean update applied at the end of the next, ``flush()`` before evaluating),
-``gradshare_model`` (``error_feedback="model"``, compressing every step: what a step does not send waits in each
-rank's model, and its default compression, the top 1% as signs; what rank 0's parameters show after the last
-step is judged, without ``merge()``: the mean result, as the DDP hook shows it between steps; results.json and results.md also give the mean result every rank holds and the model after
-``merge()``), ``gradshare_model_1e-3`` (the same at 0.1% with 8-bit values: ``TargetSparsity(target=0.001)``)
-and ``single`` (one process alone, same batch per step: what sharing must beat). Any contender with
+``gradshare_model`` (``gradshare`` at the top 1% as signs: ``error_feedback="model",
+compression=TopK(0.01, values="sign")``; with what waits in each rank's model, results.json and results.md also
+give the mean result every rank holds and the model after ``merge()``), ``gradshare_model_1e-3`` (the same at
+0.1% with 8-bit values: ``TargetSparsity(target=0.001)``), ``gradshare_buffer``, ``gradshare_buffer_1e-2`` and
+``gradshare_buffer_1e-3`` (``gradshare`` and the two forced densities with ``error_feedback="buffer"``: what waits
+in gradshare's residual, every rank's model the mean result, with the compression chosen for it: Adam's kin
+ternary-coded, top-k with 8-bit values for SGD) and ``single`` (one process alone, same batch per step: what sharing must beat). Any contender with
 ``@bf16`` appended trains under CPU bf16 autocast, with ``@fp16`` under fp16 autocast and a
 torch.amp.GradScaler (``scaler.step`` on the optimizer, as in a user's AMP script).
 
@@ -90,7 +94,8 @@ LOCAL_STEPS = {
 }
 CONTENDERS = ("ddp", "powersgd", "gradshare", "gradshare_auto", "gradshare_1e-2", "gradshare_1e-3", "gradshare_ternary",
               "gradshare_topk", "gradshare_gradients", "gradshare_strom", "gradshare_own_moment", "gradshare_delayed",
-              "gradshare_model", "gradshare_model_1e-3", "single",
+              "gradshare_model", "gradshare_model_1e-3", "gradshare_buffer", "gradshare_buffer_1e-2",
+              "gradshare_buffer_1e-3", "single",
               *LOCAL_STEPS)
 
 
@@ -194,15 +199,22 @@ def rank_main(cfg: Dict) -> Dict:
         elif name == "gradshare_1e-3":
             kwargs["compression"] = gradshare.TargetSparsity(target=0.001)
         elif name == "gradshare_ternary":
-            kwargs["compression"] = gradshare.Ternary()
+            kwargs.update(compression=gradshare.Ternary(), error_feedback="buffer")
         elif name == "gradshare_topk":
-            kwargs["compression"] = gradshare.TopK()
+            kwargs.update(compression=gradshare.TopK(), error_feedback="buffer")
         elif name == "gradshare_own_moment":
-            kwargs["link"] = None
+            kwargs.update(link=None, error_feedback="buffer")
         elif name == "gradshare_delayed":
             kwargs.update(link=None, delay=1)
-        elif name == "gradshare_model":        # what waits in each rank's model; its default, the top 1% as signs
-            kwargs.update(link=None, error_feedback="model")
+        elif name == "gradshare_model":        # what waits in each rank's model, the top 1% as signs
+            kwargs.update(link=None, error_feedback="model", compression=gradshare.TopK(0.01, values="sign"))
+        elif name.startswith("gradshare_buffer"):   # what waits in gradshare's residual
+            kwargs["error_feedback"] = "buffer"
+            density = name[len("gradshare_buffer_"):]
+            if density:
+                kwargs["compression"] = gradshare.TargetSparsity(target=float(density))
+            else:
+                kwargs["link"] = None
         elif name == "gradshare_model_1e-3":
             kwargs.update(error_feedback="model", compression=gradshare.TargetSparsity(target=0.001))
         elif name == "gradshare_gradients":

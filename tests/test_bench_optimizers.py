@@ -1,6 +1,6 @@
 """bench/optimizers.py, the drop-in with torch's optimizers: a run of it keeps replicas identical, picks the
 compression for the optimizer, and RAdam (rescaled to the global batch's second moment from its step's
-change) stays close to DDP. The README's table comes from this script."""
+change) stays close to DDP. The README's tables come from this script."""
 import os
 import sys
 
@@ -12,7 +12,7 @@ optimizers = pytest.importorskip("optimizers")
 
 @pytest.mark.slow
 def test_radam_and_rprop_rows():
-    rows = {r["optimizer"]: r for r in optimizers.run(["radam", "rprop"])}
+    rows = {r["optimizer"]: r for r in optimizers.run(["radam", "rprop"], error_feedback="buffer")}
     for r in rows.values():
         assert r["gradshare"]["replicas_identical"] and r["ddp"]["replicas_identical"]
     assert rows["radam"]["gradshare"]["compression"] == "Ternary"
@@ -23,11 +23,12 @@ def test_radam_and_rprop_rows():
 
 
 @pytest.mark.slow
-def test_own_models_merged_with_adamw():
-    """--error-feedback model: the top 1% as signs, what waits kept in each rank's model, state.merge() after
-    the last step leaves identical replicas; AdamW ends near DDP at over 100x fewer bytes."""
-    (row,) = optimizers.run(["adamw"], error_feedback="model")
+def test_the_defaults_with_adamw():
+    """The defaults: what waits kept in each rank's model, the top 5% as signs; after the last step every rank's
+    parameters show the same mean result; AdamW ends near DDP at over 50x fewer bytes."""
+    (row,) = optimizers.run(["adamw"])
     gs = row["gradshare"]
+    assert row["error_feedback"] == "model"
     assert gs["replicas_identical"] and row["ddp"]["replicas_identical"]
-    assert gs["compression"] == "TopK" and 1 / gs["bytes_ratio"] > 100
+    assert gs["compression"] == "TopK" and 1 / gs["bytes_ratio"] > 50
     assert abs(row["accuracy_gap_points"]) < 1.0 and row["loss_gap"] < 0.02

@@ -349,7 +349,7 @@ def test_users_scripts_with_the_one_line_train_like_ddp(variant, sharing):
 
 
 # -- a second optimizer: parameters the hook's optimizer does not step are all-reduced as DDP does ----------
-def _two_optimizers(lr_first, sharing, given="first"):
+def _two_optimizers(lr_first, sharing, given="first", error_feedback=None):
     warnings.simplefilter("always")
     torch.manual_seed(0)
     model = _Branchy(unused=False)
@@ -359,7 +359,8 @@ def _two_optimizers(lr_first, sharing, given="first"):
     state = None
     with warnings.catch_warnings(record=True) as caught:
         if sharing:
-            state = ThresholdState(optimizer=first if given == "first" else [first, second], link=None)
+            state = ThresholdState(optimizer=first if given == "first" else [first, second], link=None,
+                                   error_feedback=error_feedback)
             ddp.register_comm_hook(state, threshold_hook)
         g = torch.Generator().manual_seed(dist.get_rank())
         for _ in range(8):
@@ -500,14 +501,16 @@ def test_an_adaptive_optimizer_stepping_shared_gradients_is_told_to_be_given(opt
 
 
 
-def test_several_optimizers_each_share_their_updates_compressed():
-    res = run_local(_two_optimizers, 2, (3e-3, True, "both"), threads=1, timeout=300)   # replicas checked inside
+@pytest.mark.parametrize("feedback", [None, "buffer"], ids=["defaults", "buffer"])
+def test_several_optimizers_each_share_their_updates_compressed(feedback):
+    res = run_local(_two_optimizers, 2, (3e-3, True, "both", feedback), threads=1, timeout=300)   # replicas checked
     for r in res:
         assert r[2] == [] and r[3] == 0                      # nothing left to all-reduce uncompressed, no warning
         assert r[4] == [8, 8]                                # both cores shared every step
-        assert r[5] == ["Ternary", "TopK"]                   # each optimizer's own compression (AdamW, SGD)
+        # the defaults: the top 5% as signs for each; the buffer: each optimizer's own (AdamW, SGD)
+        assert r[5] == (["TopK", "TopK"] if feedback is None else ["Ternary", "TopK"])
         assert r[6] == [0, 1]                                # one bucket numbering over both
-        assert r[7] < 1 / 10                                 # 16x and ~50x on the elements: well under a tenth
+        assert r[7] < 1 / 10                                 # 16x to ~90x on the elements: well under a tenth
 
 
 def _two_optimizers_resume(split):

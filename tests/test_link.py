@@ -294,9 +294,10 @@ def test_defaults_turn_it_on_only_where_it_applies():
     opt = torch.optim.AdamW(model.parameters())
     assert isinstance(ThresholdState(optimizer=opt).sharing.link, LinkAware)
     assert isinstance(SharedOptimizer(opt).sharing.link, LinkAware)
-    assert SharedOptimizer(opt).sharing.link.steady_from == 0                       # Ternary: no warm-up
+    assert SharedOptimizer(opt).sharing.link.steady_from == TopK().warmup_steps == 100   # TopK's warm-up
+    assert SharedOptimizer(opt, error_feedback="buffer").sharing.link.steady_from == 0   # Ternary: no warm-up
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    assert SharedOptimizer(sgd).sharing.link.steady_from == TopK().warmup_steps == 100   # TopK's warm-up
+    assert SharedOptimizer(sgd, error_feedback="buffer").sharing.link.steady_from == 100
     assert ThresholdState(optimizer=opt, compression=TopK()).sharing.link is None   # a chosen compression: kept
     assert ThresholdState(optimizer=opt, link=None).sharing.link is None
     assert ThresholdState().sharing.link is None                                     # gradients mode

@@ -126,10 +126,16 @@ def test_adams_first_moment_is_masked_where_sgds_momentum_would_be(kind):
 def test_on_where_it_applies_and_refused_where_asked_for_and_it_cannot_apply():
     p = [nn.Parameter(torch.zeros(3))]
     sgd = torch.optim.SGD(p, lr=0.1, momentum=0.9)
-    assert Sharing(optimizer=sgd, mode="updates").masking is not None                     # the default
-    assert Sharing(optimizer=sgd, mode="updates", momentum_masking=False).masking is None
-    assert gradshare.SharedOptimizer(sgd, link=None).sharing.masking is not None
-    assert gradshare.ThresholdState(optimizer=sgd).sharing.masking is not None
+    # What waits in the residual (error_feedback="buffer"): on by default for SGD
+    buffer = dict(error_feedback="buffer")
+    assert Sharing(optimizer=sgd, mode="updates", **buffer).masking is not None
+    assert Sharing(optimizer=sgd, mode="updates", momentum_masking=False, **buffer).masking is None
+    assert gradshare.SharedOptimizer(sgd, link=None, **buffer).sharing.masking is not None
+    assert gradshare.ThresholdState(optimizer=sgd, **buffer).sharing.masking is not None
+    # What waits in each rank's model (the defaults): its gradients see what waits, nothing stale to mask
+    assert Sharing(optimizer=sgd, mode="updates").masking is None
+    assert gradshare.ThresholdState(optimizer=sgd).sharing.masking is None
+    assert gradshare.SharedOptimizer(sgd, compression=TopK(0.01), link=None).sharing.masking is None
     # Not where it cannot apply: an optimizer without a momentum it knows, gradients shared, a step late
     off = (dict(optimizer=torch.optim.Adagrad(p), mode="updates"), dict(optimizer=sgd, mode="gradients"),
            dict(optimizer=sgd, mode="updates", delay=1, link=None))
@@ -148,14 +154,14 @@ def test_on_where_it_applies_and_refused_where_asked_for_and_it_cannot_apply():
     # Adam's kin: their first moment, by default with top-k (elements wait long), not with their Ternary
     for adam in (torch.optim.Adam(p), torch.optim.AdamW(p), torch.optim.NAdam(p), torch.optim.RAdam(p),
                  torch.optim.Adamax(p)):
-        assert Sharing(optimizer=adam, mode="updates").masking is None                   # Ternary()
-        masked = Sharing(optimizer=adam, mode="updates", compression=TargetSparsity(0.01)).masking
+        assert Sharing(optimizer=adam, mode="updates", **buffer).masking is None         # Ternary()
+        masked = Sharing(optimizer=adam, mode="updates", compression=TargetSparsity(0.01), **buffer).masking
         assert masked is not None and masked.key == "exp_avg"
         assert Sharing(optimizer=adam, mode="updates", momentum_masking=True).masking is not None
-    assert gradshare.SharedOptimizer(torch.optim.AdamW(p), compression=TopK(0.01), link=None).sharing.masking
+    assert gradshare.SharedOptimizer(torch.optim.AdamW(p), compression=TopK(0.01), link=None, **buffer).sharing.masking
     adam, sgd2 = torch.optim.Adam([nn.Parameter(torch.zeros(2))]), torch.optim.SGD(p, lr=0.1, momentum=0.9)
     for asked, masked in ((None, [False, True]), (True, [True, True]), (False, [False, False])):
-        state = gradshare.ThresholdState(optimizer=[adam, sgd2], momentum_masking=asked, link=None)
+        state = gradshare.ThresholdState(optimizer=[adam, sgd2], momentum_masking=asked, link=None, **buffer)
         assert [sh.masking is not None for sh in state.sharings] == masked, asked
     ada = torch.optim.Adagrad([nn.Parameter(torch.zeros(2))])
     state = gradshare.ThresholdState(optimizer=[ada, sgd2], momentum_masking=True, link=None)
@@ -194,8 +200,9 @@ def _regression_net():
 
 def _fit(kind, steps=300, start=0, ckpt=None, save_at=None, compression=None):
     """SGD with momentum on a least-squares fit with little gradient noise: DDP, or the hook sharing updates
-    (TopK 2%, compressed every step) with its default masking (``masked``), with momentum_masking=True
-    (``asked``) or with momentum_masking=False (``plain``)."""
+    (TopK 2%, compressed every step, what waits in the residual) with its default masking (``masked``), with
+    momentum_masking=True (``asked``) or with momentum_masking=False (``plain``); or the hook at its defaults
+    (``defaults``: what waits in each rank's model, the top 5% as signs, no masking)."""
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     rank = dist.get_rank()
@@ -203,9 +210,13 @@ def _fit(kind, steps=300, start=0, ckpt=None, save_at=None, compression=None):
     net = DDP(model)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     state = None
-    if kind != "ddp":
+    if kind == "defaults":
+        state = gradshare.ThresholdState(optimizer=opt, link=None)
+        net.register_comm_hook(state, gradshare.threshold_hook)
+    elif kind != "ddp":
         state = gradshare.ThresholdState(optimizer=opt, compression=compression or TopK(0.02), link=None,
-                                         momentum_masking={"masked": None, "asked": True}.get(kind, False))
+                                         momentum_masking={"masked": None, "asked": True}.get(kind, False),
+                                         error_feedback="buffer")
         net.register_comm_hook(state, gradshare.threshold_hook)
     objects = (model, opt) + ((state,) if state is not None else ())
     if ckpt is not None:
@@ -227,18 +238,21 @@ def _fit(kind, steps=300, start=0, ckpt=None, save_at=None, compression=None):
             "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()}
 
 
-def _three():
-    return [_fit(k) for k in ("ddp", "masked", "plain")]
+def _four():
+    return [_fit(k) for k in ("ddp", "masked", "plain", "defaults")]
 
 
 @pytest.mark.slow
 def test_low_noise_regression_with_sgd_momentum_trains_as_ddp_does():
-    ddp, masked, plain = run_local(_three, 2, timeout=400)[0]
+    ddp, masked, plain, defaults = run_local(_four, 2, timeout=400)[0]
     # Without the masking the waiting elements swing and the loss stalls far above DDP's (about 100x here).
     assert plain["loss"] > 5 * ddp["loss"], (ddp["loss"], plain["loss"])
     assert masked["loss"] < 2 * ddp["loss"], (ddp["loss"], masked["loss"])
     assert any(t is not None and bool((t != 0).any()) for t in masked["last_sent"])
     assert all(t is None for t in plain["last_sent"])
+    # What waits kept in each rank's model: its gradient sees it, so nothing swings and nothing needs masking
+    assert defaults["loss"] < 2 * ddp["loss"], (ddp["loss"], defaults["loss"])
+    assert all(t is None for t in defaults["last_sent"])
 
 
 def _save(steps, save_at):

@@ -155,7 +155,8 @@ def test_arguments_are_checked_before_starting_workers():
     cfg = ParallelWrapper(SmallCNN(), ADAM, workers=1, mode="averaging", outer_optimizer=outer,
                           residual_decay=0.9, fragments=2, overlap=1).config("digits")
     assert cfg.outer_optimizer == outer and cfg.residual_decay == 0.9 and cfg.average_optimizer_state is None
-    assert (cfg.fragments, cfg.overlap) == (2, 1) and cfg.error_feedback == "buffer"
+    # None: each mode's default (averaging: the buffer; sharing updates: each rank's model)
+    assert (cfg.fragments, cfg.overlap) == (2, 1) and cfg.error_feedback is None
     kept = ParallelWrapper(SmallCNN(), ADAM, workers=1, mode="averaging", compression=TopK(0.02),
                            error_feedback="model").config("digits")
     assert kept.error_feedback == "model"

@@ -2,6 +2,7 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from gradshare import costmodel as cm
 from gradshare import plan
@@ -41,18 +42,19 @@ def test_plan_suggests_averaging_frequency(capsys):
 
 
 def test_large_model_slow_link_recommends_sharing(capsys):
-    out = run_plan(capsys, "--params", "25000000", "--workers", "2", "--bandwidth", "100mbit", "--step-time", "1000")
+    out = run_plan(capsys, "--params", "25000000", "--workers", "2", "--bandwidth", "100mbit", "--step-time", "2000")
     assert out["recommendation"] == "sharing"
     assert out["dl4j_band"] == "scales-well"
-    # 10% of a 1 s step carries ~1.1% dense messages at 100 Mbit/s: TopK(0.01) fits, a ternary message does not
-    assert out["compression"]["algorithm"] == "ThresholdState(optimizer=opt, compression=gradshare.TopK(0.01))"
+    # 10% of a 2 s step carries ~2.2% dense messages at 100 Mbit/s: the defaults' top 5% as signs (~1.1%) fits
+    assert out["compression"]["algorithm"] == "ThresholdState(optimizer=opt)"
+    assert "for SGD and Adam alike" in out["compression"]["why"]
     assert 0.01 <= out["compression"]["fitting_density"] < 1 / 16
 
 
 def test_small_model_fast_link_recommends_allreduce(capsys):
     out = run_plan(capsys, "--params", "100000", "--workers", "2", "--bandwidth", "10gbit", "--step-time", "200")
     assert out["recommendation"] == "allreduce"
-    assert out["compression"]["algorithm"].startswith("ThresholdState(optimizer=opt) (TopK() for SGD, Ternary()")
+    assert out["compression"]["algorithm"] == "ThresholdState(optimizer=opt)"
 
 
 def test_tiny_step_is_not_worth_distributing(capsys):
@@ -110,31 +112,35 @@ def test_measure_needs_model(capsys):
     assert "--measure needs --model" in capsys.readouterr().err
 
 
-def test_sharing_is_modelled_at_what_the_default_topk_sends(capsys, monkeypatch):
+def test_sharing_is_modelled_at_what_the_defaults_send(capsys, monkeypatch):
     from gradshare.compression import TopK
+    from gradshare.optim import SharedOptimizer
 
     params = 1_000_000
     out = run_plan(capsys, "--params", str(params), "--step-time", "100")
-    topk = TopK()
-    words = topk.words(params, topk.warmup_steps)              # after the warm-up, at TopK()'s own chunk and values
+    w = torch.nn.Parameter(torch.zeros(3))
+    for opt in (torch.optim.SGD([w], lr=0.1, momentum=0.9), torch.optim.AdamW([w])):
+        sent = SharedOptimizer(opt).compression                # what the defaults send, whatever the optimizer
+        assert repr(sent) == repr(plan.default_compression())
+    words = sent.words(params, sent.warmup_steps)              # after the warm-up, at its own chunk and values
     assert out["density"] == pytest.approx((words - 5) / params)
-    assert out["compression"]["topk_default_density"] == topk.density
+    assert out["compression"]["default_density"] == sent.density == 0.05
     assert "TopK's warm-up" in out["compression"]["warmup"]
 
-    class Denser(TopK):                                        # the defaults change: the advice follows
-        def __init__(self, density=0.05, **kw):
-            super().__init__(density, **kw)
-
-    monkeypatch.setattr(plan, "TopK", Denser)
+    denser = TopK(0.1)                                         # the defaults change: the advice follows
+    monkeypatch.setattr(plan, "default_compression", lambda: denser)
     out = run_plan(capsys, "--params", str(params), "--step-time", "100")
-    assert out["compression"]["topk_default_density"] == 0.05
-    assert out["density"] == pytest.approx((Denser().words(params, Denser().warmup_steps) - 5) / params)
+    assert out["compression"]["default_density"] == 0.1
+    assert out["density"] == pytest.approx((denser.words(params, denser.warmup_steps) - 5) / params)
 
 
-def test_adam_beyond_ternary_is_pointed_to_local_steps(capsys):
-    # 25M parameters at 100 Mbit/s, 1 s steps: TopK(0.01) fits in 10% of compute, Adam's Ternary() does not
-    out = run_plan(capsys, "--params", "25000000", "--workers", "2", "--bandwidth", "100mbit", "--step-time", "1000")
-    assert "local steps" in out["compression"]["why"] and "--mode diloco" in out["compression"]["why"]
+def test_beyond_the_defaults_a_sparser_topk_then_local_steps(capsys):
+    # 25M parameters at 100 Mbit/s, 200 ms steps: 10% of compute carries ~0.2% of a float32 buffer, less than
+    # the defaults' ~1.1%: the densest TopK (as signs, as the defaults send) that fits, with its warm-up
+    out = run_plan(capsys, "--params", "25000000", "--workers", "2", "--bandwidth", "100mbit", "--step-time", "200")
+    assert out["compression"]["algorithm"] == ('ThresholdState(optimizer=opt, '
+                                               'compression=gradshare.TopK(0.006, values="sign"))')
+    assert "0.6%" in out["compression"]["warmup"]
     # so little fits that even TopK(0.001) is too much: average instead of sharing every step
     out = run_plan(capsys, "--params", "3716106", "--bandwidth", "10mbit", "--step-time", "15")
     assert out["compression"]["algorithm"].startswith("ParameterAveraging")

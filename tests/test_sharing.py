@@ -409,17 +409,54 @@ def test_hook_state_pickles_without_group_and_optimizer():
 
 
 # -- defaults per optimizer --------------------------------------------------------------------------------
+def _is_top_signs(c) -> bool:
+    return isinstance(c, TopK) and c.density == 0.05 and c.values == "sign"
+
+
+def test_what_waits_is_kept_in_each_rank_model_where_updates_are_shared_at_once():
+    w = nn.Parameter(torch.zeros(3))
+    for sharing in (SharedOptimizer(torch.optim.SGD([w], lr=0.1, momentum=0.9)).sharing,
+                    ThresholdState(optimizer=torch.optim.AdamW([w])).sharing):
+        assert sharing.error_feedback == "model" and sharing.own_models and sharing.show_mean
+        assert _is_top_signs(sharing.compression) and sharing.masking is None and sharing.link is not None
+    # where the model cannot hold it: gradients shared (the optimizer steps on their mean), a step applied late
+    for sharing in (ThresholdState().sharing, SharedOptimizer(torch.optim.SGD([w], lr=0.1), mode="gradients").sharing,
+                    SharedOptimizer(torch.optim.SGD([w], lr=0.1), delay=1).sharing,
+                    ThresholdState(optimizer=torch.optim.Adam([w]), delay=1).sharing):
+        assert sharing.error_feedback == "buffer" and not sharing.own_models
+    assert gradshare.sharing.default_error_feedback("updates") == "model"
+    assert gradshare.sharing.default_error_feedback("updates", delay=1) == "buffer"
+    assert gradshare.sharing.default_error_feedback("gradients") == "buffer"
+    # and parameters of a half type, which round away what waits below their last bit
+    for dtype in (torch.bfloat16, torch.float16):
+        h = nn.Parameter(torch.zeros(3, dtype=dtype))
+        for sharing in (SharedOptimizer(torch.optim.AdamW([h])).sharing,
+                        ThresholdState(optimizer=torch.optim.SGD([w, h], lr=0.1)).sharing):
+            assert sharing.error_feedback == "buffer" and not sharing.own_models
+    wide = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    assert SharedOptimizer(torch.optim.SGD([wide], lr=0.1)).sharing.own_models
+    with pytest.raises(ValueError, match="expected None, 'buffer' or 'model'"):
+        SharedOptimizer(torch.optim.SGD([w], lr=0.1), error_feedback="residual")
+
+
 def test_default_compression_follows_the_optimizer():
     w = nn.Parameter(torch.zeros(3))
-    assert isinstance(SharedOptimizer(torch.optim.SGD([w], lr=0.1, momentum=0.9)).compression, TopK)
-    assert isinstance(SharedOptimizer(torch.optim.AdamW([w], lr=0.1)).compression, Ternary)
-    assert isinstance(ThresholdState(optimizer=torch.optim.Adam([w])).sharing.compression, Ternary)
+    # what waits in each rank's model (the default): the top 5% as signs, whatever the optimizer
+    for opt in (torch.optim.SGD([w], lr=0.1, momentum=0.9), torch.optim.AdamW([w], lr=0.1),
+                torch.optim.Rprop([w]), torch.optim.Adagrad([w])):
+        assert _is_top_signs(SharedOptimizer(opt).compression)
+        assert _is_top_signs(ThresholdState(optimizer=opt).sharing.compression)
+    # what waits in the residual: chosen for the optimizer
+    buffer = dict(error_feedback="buffer")
+    assert isinstance(SharedOptimizer(torch.optim.SGD([w], lr=0.1, momentum=0.9), **buffer).compression, TopK)
+    assert isinstance(SharedOptimizer(torch.optim.AdamW([w], lr=0.1), **buffer).compression, Ternary)
+    assert isinstance(ThresholdState(optimizer=torch.optim.Adam([w]), **buffer).sharing.compression, Ternary)
     assert isinstance(ThresholdState().sharing.compression, TopK)
 
     class Mine(torch.optim.SGD):      # a subclass of a known optimizer is known
         pass
 
-    assert isinstance(SharedOptimizer(Mine([w], lr=0.1)).compression, TopK)
+    assert isinstance(SharedOptimizer(Mine([w], lr=0.1), **buffer).compression, TopK)
 
     class Unknown(torch.optim.Optimizer):
         def __init__(self, params):
@@ -428,28 +465,28 @@ def test_default_compression_follows_the_optimizer():
         def step(self, closure=None):
             pass
 
-    model = dict(error_feedback="model")
     for front, kind, assumed in (
-            (lambda: SharedOptimizer(Unknown([w])).compression, Ternary, "ternary-coded"),
-            (lambda: ThresholdState(optimizer=Unknown([w])).sharing.compression, Ternary, "ternary-coded"),
-            (lambda: SharedOptimizer(Unknown([w]), **model).compression, TopK, "not rescaled"),
-            (lambda: ThresholdState(optimizer=Unknown([w]), **model).sharing.compression, TopK, "not rescaled")):
+            (lambda: SharedOptimizer(Unknown([w]), **buffer).compression, Ternary, "ternary-coded"),
+            (lambda: ThresholdState(optimizer=Unknown([w]), **buffer).sharing.compression, Ternary, "ternary-coded"),
+            (lambda: SharedOptimizer(Unknown([w])).compression, TopK, "not rescaled"),
+            (lambda: ThresholdState(optimizer=Unknown([w])).sharing.compression, TopK, "not rescaled")):
         gradshare.compression._warned.discard("Unknown")
         with pytest.warns(UserWarning, match="Unknown is not an optimizer gradshare knows") as caught:
             assert isinstance(front(), kind)
         assert caught[0].filename == __file__       # the warning names the user's line, not gradshare's
         assert assumed in str(caught[0].message)    # and says what was assumed
     # Rprop's steps span decades (TopK); Adafactor divides by a second moment (Ternary, no warning)
-    assert isinstance(SharedOptimizer(torch.optim.Rprop([w])).compression, TopK)
+    assert isinstance(SharedOptimizer(torch.optim.Rprop([w]), **buffer).compression, TopK)
     if hasattr(torch.optim, "Adafactor"):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert isinstance(SharedOptimizer(torch.optim.Adafactor([w])).compression, Ternary)
+            assert isinstance(SharedOptimizer(torch.optim.Adafactor([w]), **buffer).compression, Ternary)
+            assert _is_top_signs(SharedOptimizer(torch.optim.Adafactor([w])).compression)
     if hasattr(torch.optim, "Muon"):                 # orthogonalized steps: entries of similar size (Ternary)
         m = nn.Parameter(torch.zeros(3, 4))
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert isinstance(SharedOptimizer(torch.optim.Muon([m])).compression, Ternary)
+            assert isinstance(SharedOptimizer(torch.optim.Muon([m]), **buffer).compression, Ternary)
 
 
 def test_explicit_compression_and_legacy_names():
@@ -813,11 +850,11 @@ def test_model_feedback_is_checked():
         SharedOptimizer(adam, error_feedback="params")
     own = SharedOptimizer(adam, error_feedback="model")
     assert own.sharing.link is not None and own.sharing.masking is None    # link-aware; no momentum masking
-    assert isinstance(own.compression, TopK) and (own.compression.density, own.compression.values) == (0.01, "sign")
+    assert isinstance(own.compression, TopK) and (own.compression.density, own.compression.values) == (0.05, "sign")
     sgd_own = SharedOptimizer(torch.optim.SGD([w], lr=0.1, momentum=0.9), error_feedback="model")
     assert sgd_own.compression.values == "sign" and sgd_own.sharing.masking is None
     assert SharedOptimizer(adam, error_feedback="model", compression=TopK(0.01)).sharing.masking is None
-    assert SharedOptimizer(adam, compression=TopK(0.01)).sharing.masking is not None
+    assert SharedOptimizer(adam, compression=TopK(0.01), error_feedback="buffer").sharing.masking is not None
     with torch.no_grad():
         w.fill_(0.5)
     with SharedOptimizer(adam, compression=TopK(0.01)).mean_result():   # the buffer's: nothing to put in place

@@ -11,7 +11,9 @@ during backward it hands each bucket's local gradient to DDP unchanged (under a 
 per rank); ``opt.step()`` then runs the user's optimizer locally, and
 gradshare, from the optimizer's step hooks, shares the change it made with error feedback and gives every
 rank the same decoded mean. The optimizer, its scheduler, gradient clipping and a GradScaler are used as
-in plain DDP; the compression is chosen for the optimizer (gradshare.compression.for_optimizer). With one
+in plain DDP. What a step does not send waits in each rank's own model (``error_feedback``), whose default
+compression is the top 5% as signs; between steps every rank's parameters show the round's mean result, the
+same bits on every rank (gradshare.sharing, ``show_mean``). With one
 rank the hook returns DDP's own result and nothing is encoded. With the default compression the state is
 link-aware (gradshare.link): on steps where compressing is slower than DDP's all-reduce on this link, the
 hook is DDP's all-reduce (overlapped with backward) and the optimizer steps on the mean gradient.
@@ -112,14 +114,17 @@ class ThresholdState(SharingFront):
             None (default): SGD with any compression that holds something back, Adam's kin with top-k, where
             what waits is in the residual (``error_feedback="buffer"``); False: off; True: those optimizers with
             any compression, refused where it cannot apply.
-        error_feedback: with ``optimizer=``, where what a step does not send waits: "buffer" (default) in
-            gradshare's residual, every rank's parameters the same mean result; "model": in each rank's own
-            parameters (the mean result plus the progress it has not sent yet), so that its next gradient is
-            taken where its own progress brought it and its optimizer does not push again what waits. With Adam it keeps
-            the quality of the default at several times fewer bytes (README, "Training quality"). Between steps
-            every rank's parameters show the mean result, the same bits on every rank (evaluate and save them as
-            with DDP); the first forward that trains puts each rank's own model back on (gradshare.sharing,
-            ``show_mean``). ``state.merge()`` sends what waits, uncompressed.
+        error_feedback: with ``optimizer=``, where what a step does not send waits. None (default): "model"
+            with ``delay=0`` over float32/float64 parameters, "buffer" otherwise
+            (gradshare.sharing.default_error_feedback). "model": in each
+            rank's own parameters (the mean result plus the progress it has not sent yet), so that its next
+            gradient is taken where its own progress brought it and its optimizer does not push again what
+            waits; its default compression is the top 5% as signs for every optimizer (README, "Training
+            quality"). Between steps every rank's parameters show the mean result, the same bits on every rank
+            (evaluate and save them as with DDP); the first forward that trains puts each rank's own model back
+            on (gradshare.sharing, ``show_mean``). ``state.merge()`` sends what waits, uncompressed. "buffer":
+            in gradshare's residual, every rank's parameters the same mean result at every point (Adam's kin
+            ternary-coded by default, SGD top-k with 8-bit values, momentum masking).
         threshold: the former name of ``compression`` (deprecated).
     """
 
@@ -129,7 +134,7 @@ class ThresholdState(SharingFront):
                  stats: Optional[Statistics] = None, momentum: Optional[float] = None,
                  optimizer: Any = None, bucket_cap_mb: float = 25.0,
                  link: Any = "auto", scaler: Optional[Any] = None, delay: int = 0,
-                 momentum_masking: Optional[bool] = None, error_feedback: str = "buffer"):
+                 momentum_masking: Optional[bool] = None, error_feedback: Optional[str] = None):
         optimizers = _optimizers(optimizer)
         optimizer = optimizers[0] if optimizers else None
         if len(optimizers) > 1 and delay:
@@ -466,7 +471,7 @@ class ThresholdState(SharingFront):
         self.__init__(None, cfg["compression"], cfg["clipping"], cfg["nonfinite"], average=cfg["average"],
                       fallback=cfg["fallback"], stats=Statistics(**d["stats_config"]), momentum=cfg["momentum"],
                       bucket_cap_mb=cfg["bucket_cap_mb"], link=cfg.get("link", "auto"),
-                      error_feedback=cfg.get("error_feedback", "buffer"))
+                      error_feedback=cfg.get("error_feedback"))
         if d.get("state") is not None:
             self.load_state_dict(d["state"])
 

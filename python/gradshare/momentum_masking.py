@@ -19,7 +19,9 @@ steps are left alone here, so with nothing held back (``Dense``, where masking i
 synchronous SGD's. Swings from gradient noise are masked too, which costs the noisy workloads a little (README,
 "Training quality": the MLP 0.22 points against the same sharing unmasked, the CNNs nothing).
 
-Where it applies by default: updates shared, each step's mean applied at once (``delay=0``), and
+Where it applies by default: updates shared, each step's mean applied at once (``delay=0``), what waits kept in
+the residual (``error_feedback="buffer"``: in each rank's model, the default, its gradients see what waits and
+nothing stale builds up), and
 torch.optim.SGD with a compression that holds something back (not ``Dense``), or Adam's kin (Adam, AdamW,
 NAdam, RAdam, Adamax: their ``exp_avg``) with top-k (:func:`by_default` says why not with their Ternary). Of
 several optimizers, those. Each rank masks its own momentum (the optimizer states are local when updates are

@@ -15,9 +15,10 @@ Which mode:
   exchanged and replaced by the decoded mean; every rank then runs the inner optimizer on the same
   gradient (optimizer state identical on every rank). Suits SGD; Adam trains worse this way.
 
-What is sent (``compression``): by default the policy gradshare.compression.for_optimizer picks for the
-inner optimizer: TopK() for SGD, Ternary() for Adam-like optimizers. Pass a TopK, Ternary, or DL4J's
-+-tau thresholds (Fixed, Adaptive; with ``clipping``) to choose.
+What is sent (``compression``): by default what gradshare.compression.for_optimizer picks: with what a step
+does not send kept in each rank's model (``error_feedback``'s default sharing updates), the top 5% as signs for
+every optimizer; with it in the residual, TopK() for SGD, Ternary() for Adam-like optimizers. Pass a TopK,
+Ternary, or DL4J's +-tau thresholds (Fixed, Adaptive; with ``clipping``) to choose.
 
 Sum or mean: DL4J SUMS the workers' updates, so its effective step grows with the number of workers and
 learning rates must be retuned when the cluster changes. gradshare AVERAGES by default (``reduce="mean"``):
@@ -91,12 +92,15 @@ class SharedOptimizer(SharingFront, WrappedOptimizer, Joinable):
             (default): SGD with any compression that holds something back, Adam's kin with top-k, where what
             waits is in the residual (``error_feedback="buffer"``); False: off; True: those optimizers with any
             compression, refused where it cannot apply.
-        error_feedback: "updates" mode: where what a step does not send waits: "buffer" (default) in
-            gradshare's residual, every rank's parameters the same mean result; "model": in each rank's own
-            parameters (the mean result plus the progress it has not sent yet), so that its next gradient is
-            taken where its own progress brought it (gradshare.sharing). Between steps every rank's parameters
-            show the mean result, the same bits on every rank; the first forward that trains puts each rank's own
-            model back on (gradshare.sharing, ``show_mean``). ``opt.merge()`` sends what waits, uncompressed.
+        error_feedback: "updates" mode: where what a step does not send waits. None (default): "model" with
+            ``delay=0`` over float32/float64 parameters, "buffer" otherwise
+            (gradshare.sharing.default_error_feedback). "model": in each rank's
+            own parameters (the mean result plus the progress it has not sent yet), so that its next gradient is
+            taken where its own progress brought it (gradshare.sharing); the top 5% as signs by default. Between
+            steps every rank's parameters show the mean result, the same bits on every rank; the first forward
+            that trains puts each rank's own model back on (gradshare.sharing, ``show_mean``). ``opt.merge()``
+            sends what waits, uncompressed. "buffer": in gradshare's residual, every rank's parameters the same
+            mean result at every point.
         threshold: the former name of ``compression`` (deprecated).
 
     It is a torch.optim.Optimizer over the inner optimizer's ``param_groups`` and ``state`` (the same objects):
@@ -111,7 +115,7 @@ class SharedOptimizer(SharingFront, WrappedOptimizer, Joinable):
                  clipping: Any = _DEFAULT, process_group=None, nonfinite: str = "raise", *, reduce: str = "mean",
                  bucket_cap_mb: float = 25.0, fallback: str = "auto", stats: Optional[Statistics] = None,
                  momentum: Optional[float] = None, link: Any = "auto", delay: int = 0,
-                 momentum_masking: Optional[bool] = None, error_feedback: str = "buffer"):
+                 momentum_masking: Optional[bool] = None, error_feedback: Optional[str] = None):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
         if momentum is not None:

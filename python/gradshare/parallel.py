@@ -80,8 +80,9 @@ class ParallelWrapper:
         outer_optimizer: averaging mode: the outer optimizer, given like ``optimizer`` (a picklable factory
             or ``(class, kwargs)``), e.g. ``(torch.optim.SGD, dict(lr=0.7, momentum=0.9, nesterov=True))``.
         residual_decay: averaging mode with ``compression``: the pseudo-gradient's error-feedback decay.
-        error_feedback: "buffer" or "model": averaging mode with ``compression``, ParameterAveraging's; sharing
-            updates (shared_gradients), SharedOptimizer's (what a step does not send kept in each worker's model).
+        error_feedback: None (each mode's default), "buffer" or "model": averaging mode with ``compression``,
+            ParameterAveraging's (default "buffer"); sharing updates (shared_gradients), SharedOptimizer's (default:
+            what a step does not send kept in each worker's model; gradshare.sharing.default_error_feedback).
         fragments, overlap: averaging mode with a pseudo-gradient: streaming rounds (ParameterAveraging's).
         prefetch_buffer: batches each worker prepares ahead in a background thread.
         compression: what sharing sends (gradshare.compression; default: chosen for the optimizer); in
@@ -110,7 +111,7 @@ class ParallelWrapper:
                  progress: bool = True, timeout: float = 7 * _DAY,
                  outer_optimizer: Any = None, residual_decay: float = 1.0, link: Any = "auto",
                  fragments: int = 1, overlap: int = 0, batch_keys: Sequence[str] = ("input", "target"),
-                 error_feedback: str = "buffer"):
+                 error_feedback: Optional[str] = None):
         if mode not in loop.MODES:
             raise ValueError(f"mode: expected one of {loop.MODES}, got {mode!r}")
         if isinstance(optimizer, type):

@@ -4,7 +4,7 @@ Give the model as a parameter count (--params) or a class to load (--model pkg.m
 the link bandwidth, and the compute time of one step on one worker (--step-time in ms, or --measure to time
 a few real forward/backward steps). The advice comes from gradshare.costmodel:
 - the expected step time of dense allreduce, fp16 allreduce, PowerSGD, gradshare sharing (at the size of
-  the default TopK message, read from gradshare.compression.TopK) and parameter averaging;
+  the default message, the top 5% as signs, read from gradshare.compression) and parameter averaging;
 - DL4J's rule of thumb: 100 ms or more per step scales well, around 10 ms sub-linearly, 1 ms or less is
   not worth distributing;
 - what sharing should send on this link, and how often to average.
@@ -29,7 +29,7 @@ from typing import List, Optional, Sequence, Tuple
 from gradshare import argtypes
 from gradshare import costmodel as cm
 from gradshare._deprecation import former_names, renamed_kwargs
-from gradshare.compression import Compression, Ternary, TopK
+from gradshare.compression import Compression, TopK, for_optimizer
 from gradshare.message import HEADER_WORDS
 
 # DL4J's guidance on when distributing pays (per-iteration compute time on one worker).
@@ -45,16 +45,18 @@ MAX_FREQUENCY = 20            # DL4J javadoc: averaging much less often than eve
 # Below this TopK density per-step sharing trains noticeably worse (README, Training quality: 0.1%).
 MIN_TOPK_DENSITY = 1e-3
 CHOICES = ("allreduce", "fp16", "powersgd", "sharing", "averaging")
-# What Adam-like optimizers need where Ternary(), their default, does not fit (README, Training quality; Local steps).
-ADAM_ADVICE = ("for Adam-like optimizers use local steps instead (gradshare.ParameterAveraging with an "
-               "outer_optimizer; gradshare train --mode diloco --outer-lr 1 --outer-momentum 0): TopK on Adam's "
-               "updates trains far worse")
 
 __getattr__ = former_names(__name__, suggest_averaging_period="suggest_frequency",
                            MAX_AVERAGING_PERIOD="MAX_FREQUENCY")
 
 
 # ------------------------------------------------------------------------------ what the defaults send
+def default_compression() -> TopK:
+    """What the DDP hook and SharedOptimizer send by default, for any optimizer (what waits in each rank's model:
+    gradshare.compression.for_optimizer)."""
+    return for_optimizer(None, own_models=True)
+
+
 def message_density(compression: Compression, params: int) -> float:
     """Words of ``compression``'s message for ``params`` elements after any warm-up, header excluded, per
     element: the message size as a fraction of a float32 buffer (the cost model's density)."""
@@ -62,11 +64,12 @@ def message_density(compression: Compression, params: int) -> float:
     return max(0, compression.words(max(1, params), step) - HEADER_WORDS) / max(1, params)
 
 
-def topk_density_within(fraction: float, params: int) -> float:
-    """The largest TopK density (entries sent per element; TopK's other settings at their defaults) whose
-    message is at most ``fraction`` of a float32 buffer; 0 when not even one entry per chunk fits."""
+def topk_density_within(fraction: float, params: int, values: str = "sign") -> float:
+    """The largest TopK density (entries sent per element, as ``values``: signs, the defaults' kind; TopK's other
+    settings at their defaults) whose message is at most ``fraction`` of a float32 buffer; 0 when not even one
+    entry per chunk fits."""
     def fits(d: float) -> bool:
-        return message_density(TopK(d), params) <= fraction
+        return message_density(TopK(d, values=values), params) <= fraction
     low, high = 0.0, 1.0
     if fits(high):
         return high
@@ -84,14 +87,10 @@ def _one_digit_down(x: float) -> float:
     return float(f"{math.floor(x / unit + 1e-9) * unit:.1g}")
 
 
-def _entry_bytes(tk: TopK) -> int:
-    """Bytes a TopK message spends per entry: a 16-bit position and an 8-bit or bfloat16 value."""
-    return 3 if tk.values == "int8" else 4
-
-
 def warmup_bytes(params: int, tk: Optional[TopK] = None) -> float:
-    """Bytes a TopK's warm-up (default: TopK()'s) sends on top of its steady density, per worker's message, once."""
-    tk = tk or TopK()
+    """Bytes a TopK's warm-up (default: the default compression's) sends on top of its steady density, per
+    worker's message, once."""
+    tk = tk or default_compression()
     extra = sum(tk.words(params, s) - tk.words(params, tk.warmup_steps) for s in range(tk.warmup_steps))
     return 4.0 * extra
 
@@ -122,11 +121,11 @@ def add_arguments(p) -> None:
                    help="timed steps for --measure (after 2 warm-up)")
     p.add_argument("--threads", metavar="N", type=argtypes.integer(1), default=1,
                    help="torch threads for --measure (one core per worker)")
-    tk = TopK()
+    tk = default_compression()
     p.add_argument("--density", metavar="FRACTION", type=argtypes.number(0, 1, low_open=True),
-                   help="gradshare's message size as a fraction of a float32 buffer (default: what TopK() sends "
-                        f"after its warm-up, {100 * tk.density:g}%% of entries at {_entry_bytes(tk)} bytes each: "
-                        f"about {message_density(tk, 10**7):.3g})")
+                   help="gradshare's message size as a fraction of a float32 buffer (default: what the hook "
+                        f"send after their warm-up, the top {100 * tk.density:g}%% of entries as signs: about "
+                        f"{message_density(tk, 10**7):.3g})")
     p.add_argument("--powersgd-rank", metavar="R", type=argtypes.integer(1), default=2, help="PowerSGD's matrix rank")
     p.add_argument("--frequency", type=argtypes.integer(1), metavar="STEPS",
                    help="model averaging every STEPS steps instead of suggesting a frequency")
@@ -222,44 +221,44 @@ def fitting_density(params: int, workers: int, link: cm.Link, compute: float) ->
 
 
 def suggest_compression(params: int, workers: int, link: cm.Link, compute: float, density: float) -> dict:
-    """What sharing should send on this link (gradshare.compression), from the defaults' own message sizes
-    (TopK() for SGD, Ternary() for Adam-like optimizers): the defaults when their messages cost <= 10% of
-    compute, else the densest TopK that fits, down to MIN_TOPK_DENSITY, else parameter averaging or local
-    steps. ``density``: the message size the sharing row was modelled at (for the crossover)."""
+    """What sharing should send on this link (gradshare.compression), from the defaults' own message size (the
+    top 5% as signs, for SGD and Adam alike): the defaults when their message costs <= 10% of compute, else the
+    densest TopK that fits, down to MIN_TOPK_DENSITY, else parameter averaging or local steps. ``density``: the
+    message size the sharing row was modelled at (for the crossover)."""
     fit = fitting_density(params, workers, link, compute)
     crossover = cm.sharing_crossover_workers(density)
-    tk, tern = TopK(), Ternary()
-    sent = tk                                    # the TopK the advice sends, for its warm-up
-    topk_size, ternary_size = message_density(tk, params), message_density(tern, params)
-    out = {"fitting_density": fit, "crossover_workers": crossover, "topk_default_density": tk.density,
-           "topk_default_message": topk_size, "ternary_message": ternary_size}
+    default = default_compression()
+    default_size = message_density(default, params)
+    sent: Optional[TopK] = default               # the TopK the advice sends, for its warm-up
+    out = {"fitting_density": fit, "crossover_workers": crossover, "default_density": default.density,
+           "default_message": default_size}
     if workers >= crossover:
+        sent = None
         out.update(algorithm="ThresholdState(optimizer=opt)", why=(
             f"at {workers} workers the all-gather of messages of {density:.3g} of a float32 buffer moves more than "
             f"a dense allreduce (N > 2/d = {crossover:.3g}): gradshare falls back to the dense allreduce on those "
             f"steps; parameter averaging or fewer, larger workers suit this better"))
-    elif fit >= ternary_size:
-        out.update(algorithm="ThresholdState(optimizer=opt) (TopK() for SGD, Ternary() for Adam)",
-                   why=f"the defaults: even a ternary message ({ternary_size:.3g} of a float32 buffer) costs "
-                       f"<= {COMM_BUDGET:.0%} of compute on this link")
-    elif fit >= topk_size:
-        out.update(algorithm="ThresholdState(optimizer=opt) (SGD: TopK())",
-                   why=f"TopK() ({100 * tk.density:g}% of entries, {topk_size:.3g} of a float32 buffer) costs "
-                       f"<= {COMM_BUDGET:.0%} of compute; Adam's Ternary() ({ternary_size:.3g}) does not: "
-                       f"{ADAM_ADVICE}")
+    elif fit >= default_size:
+        out.update(algorithm="ThresholdState(optimizer=opt)",
+                   why=f"the defaults: the top {100 * default.density:g}% of each step as signs ({default_size:.3g} "
+                       f"of a float32 buffer), for SGD and Adam alike, costs <= {COMM_BUDGET:.0%} of compute on "
+                       f"this link")
     else:
-        d = _one_digit_down(topk_density_within(fit, params))       # TopK(0.004), not TopK(0.00437...)
+        d = _one_digit_down(topk_density_within(fit, params, default.values))   # 0.004, not 0.00437...
         if d >= MIN_TOPK_DENSITY:
-            sent = TopK(d)
-            out.update(algorithm=f"ThresholdState(optimizer=opt, compression=gradshare.TopK({d:g}))",
-                       why=f"{COMM_BUDGET:.0%} of compute carries TopK({d:g}) ({message_density(sent, params):.3g} "
-                           f"of a float32 buffer) but not the default TopK() ({topk_size:.3g}); {ADAM_ADVICE}")
+            sent = TopK(d, values=default.values)
+            code = f'TopK({d:g}, values="{default.values}")'
+            out.update(algorithm=f"ThresholdState(optimizer=opt, compression=gradshare.{code})",
+                       why=f"{COMM_BUDGET:.0%} of compute carries {code} ({message_density(sent, params):.3g} "
+                           f"of a float32 buffer) but not the defaults' top {100 * default.density:g}% as signs "
+                           f"({default_size:.3g})")
         else:
+            sent = None
             out.update(algorithm="ParameterAveraging (local steps)",
                        why=f"{COMM_BUDGET:.0%} of compute carries messages of {fit:.2g} of a float32 buffer at most, "
                            f"less than TopK({MIN_TOPK_DENSITY:g}) sends: per-step sharing that sparse trains "
                            f"noticeably worse; average every few steps instead")
-    if sent.warmup_steps and "TopK" in out["algorithm"]:
+    if sent is not None and sent.warmup_steps:
         steps = warmup_bytes(params, sent) * (workers - 1) / cm.dense_allreduce_bytes(max(2, workers), params)
         out["warmup"] = (f"TopK's warm-up (its first {sent.warmup_steps} steps, from {100 * sent.warmup_density:g}% "
                          f"down to {100 * sent.density:g}% of entries) sends about {steps:.2g} dense allreduce steps' "
@@ -273,10 +272,10 @@ def make_plan(params: int, workers: int, bandwidth: float, compute: float, *, la
               shapes=None, frequency: Optional[int] = None, optimizer_state_factor: float = 0.0,
               overlap: float = 0.0, encode_per_element: float = cm.ENCODE_SECONDS_PER_ELEMENT) -> dict:
     """The whole plan as a dict (what --json prints). ``density``: gradshare's message size as a fraction of
-    a float32 buffer (default: what TopK() sends after its warm-up); ``frequency``: model averaging every
+    a float32 buffer (default: what the default compression sends after its warm-up); ``frequency``: model averaging every
     that many steps (default: suggested)."""
     if density is None:
-        density = message_density(TopK(), params)
+        density = message_density(default_compression(), params)
     link = cm.Link(bandwidth=bandwidth, latency=latency, efficiency=efficiency)
     k_suggested, k_why = suggest_frequency(params, workers, link, compute, optimizer_state_factor)
     modelled = frequency or k_suggested or MAX_FREQUENCY
