@@ -190,7 +190,8 @@ def _build_trainer(cfg: TrainConfig, model: nn.Module):
                                   warmup_steps=cfg.warmup_steps, compression=copy.deepcopy(cfg.compression),
                                   outer_optimizer=None if outer is None else functools.partial(make_optimizer, outer),
                                   residual_decay=cfg.residual_decay, fragments=cfg.fragments,
-                                  overlap=cfg.overlap, error_feedback=cfg.error_feedback or "buffer")
+                                  overlap=cfg.overlap,
+                                  **({} if cfg.error_feedback is None else {"error_feedback": cfg.error_feedback}))
     from gradshare.optim import SharedOptimizer
 
     kwargs = {"mode": cfg.shared, "compression": copy.deepcopy(cfg.compression), "link": copy.deepcopy(cfg.link)}

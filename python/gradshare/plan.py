@@ -64,10 +64,12 @@ def message_density(compression: Compression, params: int) -> float:
     return max(0, compression.words(max(1, params), step) - HEADER_WORDS) / max(1, params)
 
 
-def topk_density_within(fraction: float, params: int, values: str = "sign") -> float:
-    """The largest TopK density (entries sent per element, as ``values``: signs, the defaults' kind; TopK's other
+def topk_density_within(fraction: float, params: int, values: Optional[str] = None) -> float:
+    """The largest TopK density (entries sent per element, as ``values``, default the defaults' kind; TopK's other
     settings at their defaults) whose message is at most ``fraction`` of a float32 buffer; 0 when not even one
     entry per chunk fits."""
+    values = values or default_compression().values
+
     def fits(d: float) -> bool:
         return message_density(TopK(d, values=values), params) <= fraction
     low, high = 0.0, 1.0
@@ -123,8 +125,8 @@ def add_arguments(p) -> None:
                    help="torch threads for --measure (one core per worker)")
     tk = default_compression()
     p.add_argument("--density", metavar="FRACTION", type=argtypes.number(0, 1, low_open=True),
-                   help="gradshare's message size as a fraction of a float32 buffer (default: what the hook "
-                        f"send after their warm-up, the top {100 * tk.density:g}%% of entries as signs: about "
+                   help="gradshare's message size as a fraction of a float32 buffer (default: what the hook and "
+                        f"SharedOptimizer send after their warm-up, the top {100 * tk.density:g}%% of entries as signs: about "
                         f"{message_density(tk, 10**7):.3g})")
     p.add_argument("--powersgd-rank", metavar="R", type=argtypes.integer(1), default=2, help="PowerSGD's matrix rank")
     p.add_argument("--frequency", type=argtypes.integer(1), metavar="STEPS",

@@ -136,7 +136,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--error-feedback", choices=["buffer", "model"],
                    help="sparse_local, shared_gradients (--share updates): where what a round or step does not send "
                         "waits: in an error-feedback buffer, every model set to the mean, or in each worker's own "
-                        f"model (default: {SPARSE_LOCAL_ERROR_FEEDBACK} for sparse_local and shared_gradients)")
+                        f"model (default: {SPARSE_LOCAL_ERROR_FEEDBACK} for sparse_local; for shared_gradients, SharedOptimizer's: "
+                        "model, the buffer for half-precision parameters)")
     p.add_argument("--fragments", type=argtypes.integer(1), metavar="F",
                    help="diloco, sparse_local: rounds of F fragments of the model, staggered over the period "
                         "(streaming; default 1)")
