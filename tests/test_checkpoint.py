@@ -1,3 +1,4 @@
+import io
 import os
 import random
 import signal
@@ -349,6 +350,78 @@ def test_fuzzed_checkpoint_files_are_refused_or_load_identically(tmp_path):
         outcomes["identical"] += 1
     # every damaged file without a matching checksum was refused (kinds 0-3: 8,000 files, a few left intact)
     assert outcomes["refused"] >= 8000 - outcomes["intact"]
+
+
+def _central_entries(payload: bytes):
+    """(offset, name) of every central-directory entry of a zip archive."""
+    import struct
+
+    out, off = [], payload.index(b"PK\x01\x02")
+    while payload[off:off + 4] == b"PK\x01\x02":
+        name_len, extra_len, comment_len = struct.unpack("<HHH", payload[off + 28:off + 34])
+        out.append((off, payload[off + 46:off + 46 + name_len].decode()))
+        off += 46 + name_len + extra_len + comment_len
+    return out
+
+
+@pytest.mark.parametrize("field,offset,value", [
+    ("directory bit", 38, 0x10),        # external attributes: torch's reader "extracts" a directory as nothing
+    ("stored size 0", 20, None),        # compressed size: a record with no stored bytes is read as nothing too
+    ("deflated", 10, 8),                # compression method
+    ("encrypted", 8, 0x1),              # general-purpose flags
+])
+def test_a_record_torch_would_read_as_nothing_is_refused(tmp_path, field, offset, value):
+    """A central-directory entry that Python's zip reader accepts but torch's reads without filling its buffer
+    (torch then unpickles whatever memory held: a different result from one load to the next) is refused."""
+    import struct
+
+    good = checkpoint.save(str(tmp_path), 1, {"w": torch.arange(16.0)})
+    original = open(good, "rb").read()
+    payload = bytearray(original[original.index(b"\n") + 1:])
+    for at, name in _central_entries(bytes(payload)):
+        if name.endswith("data.pkl"):
+            if value is None:
+                payload[at + offset:at + offset + 4] = struct.pack("<I", 0)
+            else:
+                payload[at + offset] |= value
+    path = tmp_path / "ckpt-000000009.pt"
+    path.write_bytes(_with_header(bytes(payload)))
+    with pytest.raises(checkpoint.CheckpointError, match="not a sound zip archive") as info:
+        checkpoint.load(str(path))
+    assert "\n" not in str(info.value)
+
+
+def test_every_damaged_central_directory_byte_is_refused_or_loads_the_same_twice(tmp_path):
+    """Each byte of the archive's directory flipped in turn (the part no CRC covers): a load either refuses the
+    file or returns exactly what was saved, the same from one load to the next whatever ran in between."""
+    good = checkpoint.save(str(tmp_path), 1, {"w": torch.arange(16.0), "n": 3}, rng=False)
+    original = open(good, "rb").read()
+    payload = original[original.index(b"\n") + 1:]
+    path = tmp_path / "ckpt-000000009.pt"
+    loaded = 0
+    for j in range(_central_entries(payload)[0][0], len(payload)):
+        for mask in (0xFF, 0x10, 0x01):
+            bad = bytearray(payload)
+            bad[j] ^= mask
+            path.write_bytes(_with_header(bytes(bad)))
+            results = []
+            for before in (good, None):
+                if before:      # an intact load first leaves a valid pickle in memory torch's reader may reuse
+                    checkpoint.load(before)
+                else:
+                    torch.save({"noise": torch.randn(1024)}, io.BytesIO())
+                try:
+                    ck = checkpoint.load(str(path))
+                    results.append(("ok", sorted(ck.state), [torch.equal(ck.state[k], v) if torch.is_tensor(v)
+                                                            else ck.state[k] == v for k, v in
+                                                            (("w", torch.arange(16.0)), ("n", 3)) if k in ck.state]))
+                except checkpoint.CheckpointError:
+                    results.append(("refused",))
+            assert results[0] == results[1], (j, hex(mask), results)
+            if results[0][0] == "ok":    # the records are intact: what loads is what was saved
+                assert results[0][1] == ["n", "w"] and all(results[0][2]), (j, hex(mask), results)
+                loaded += 1
+    assert loaded > 0          # fields nothing reads (times, versions) may change and still load
 
 
 def _resume_point(config, ctx):

@@ -22,8 +22,9 @@ Checkpoints are data, not programs. A file is one header line (JSON: format, ver
 payload length and a SHA-256 over those and the payload) and the payload, a ``torch.save`` of plain data: tensors, numbers, strings,
 bytes, lists, tuples and dicts (numpy arrays and scalars are stored as tensors and numbers; anything else is
 refused when saving, naming the key). Loading reads the header, checks the checksum and only then reads the
-payload, with ``torch.load(weights_only=True)``, once the payload is a zip archive whose every record is in bounds
-and matches its CRC (torch's own reader trusts the archive's sizes, so a damaged one could read past the payload):
+payload, with ``torch.load(weights_only=True)``, once the payload is a zip archive as torch.save writes it, every record
+stored, in bounds and matching its CRC (torch's own reader trusts the archive's directory, so a damaged one could
+read past the payload, or leave a record's buffer unfilled and unpickle whatever memory held):
 a corrupt, truncated or foreign file is rejected with a one-line reason, and a file holding pickled code is never
 executed.
 
@@ -372,13 +373,29 @@ def load(path: str, map_location: Any = "cpu") -> Checkpoint:
 
 
 def _check_archive(data: bytes) -> None:
-    """Raises unless ``data`` is a zip archive (what torch.save writes) whose records all lie inside it and match
-    their CRCs: a payload behind a valid checksum can still be damaged (or written by hand), and torch's reader
-    takes the sizes an archive states at their word, so a wrong one reads past the record."""
+    """Raises unless ``data`` is a zip archive as torch.save writes it: stored (uncompressed), unencrypted file
+    records that all lie inside it and match their CRCs. A payload behind a valid checksum can still be damaged
+    (or written by hand), and torch's reader trusts what the archive's directory says: a wrong size reads past
+    the record, and a record marked as a directory (or with no stored bytes) is "extracted" by writing nothing,
+    so torch unpickles whatever its buffer held before (a different result from one read to the next)."""
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as z:
+            infos = z.infolist()
+            names = set()
+            for info in infos:
+                if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x41:
+                    raise ValueError(f"record {info.filename!r} is compressed or encrypted")
+                if info.file_size != info.compress_size:
+                    raise ValueError(f"record {info.filename!r} states {info.file_size} bytes and stores "
+                                     f"{info.compress_size}")
+                if info.external_attr & 0x10 or info.filename.endswith("/"):
+                    raise ValueError(f"record {info.filename!r} is marked as a directory")
+                if info.filename in names:
+                    raise ValueError(f"record {info.filename!r} appears twice")
+                names.add(info.filename)
             bad = z.testzip()
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError, NotImplementedError) as exc:
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError, NotImplementedError,
+            RuntimeError) as exc:
         raise ValueError(f"not a sound zip archive: {exc}") from None
     if bad is not None:
         raise ValueError(f"record {bad!r} does not match its CRC")
