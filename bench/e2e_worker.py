@@ -8,8 +8,9 @@ steps, 16 windows per rank, its own batches) and is judged by validation loss (l
 is a loss to get down to). Contenders with local steps take the averaging period from ``--period`` or from
 a suffix: ``gradshare_diloco_h50`` averages every 50 steps. Measured per rank:
 
-* wall time of training only (evaluation pauses the clock), and the metric at every evaluation
-  (rank 0 evaluates the held-out data, with the threads of the ranks that wait for it at a broadcast);
+* wall time of training only (evaluation pauses the clock), each step's (``step_times``), and the metric at
+  every evaluation (rank 0 evaluates the held-out data, with the threads of the ranks that wait for it at a
+  broadcast);
 * bytes sent: the interface's kernel tx counter (``/sys/class/net/<if>/statistics/tx_bytes``) summed over
   training segments only (GRADSHARE_NETNS_IFNAME, set by bench/netns.py), plus what the contender's own
   accounting says (gradshare's ``stats.bytes_sent``, ``ParameterAveraging.bytes_sent``);
@@ -536,7 +537,7 @@ def run(args) -> dict:
     schedulers = task.schedulers()
     dist.barrier()
 
-    history, train_time, step, steps_timed = [], 0.0, 0, 0
+    history, train_time, step, steps_timed, step_times = [], 0.0, 0, 0, []
     sent, stop = 0, False
     time_to_target = None
 
@@ -567,7 +568,8 @@ def run(args) -> dict:
         opt.step()
         for sched in schedulers:
             sched.step()
-        train_time += time.perf_counter() - t0
+        step_times.append(time.perf_counter() - t0)
+        train_time += step_times[-1]
         sent += tx_bytes() - tx0
         step += 1
         steps_timed += 1
@@ -584,7 +586,8 @@ def run(args) -> dict:
         "contender": args.contender, "workload": args.workload, "metric": task.metric, "rank": rank,
         "world_size": world, "params": params, "shapes": shapes, "steps": step,
         "steps_per_epoch": task.steps_per_epoch, "epochs_planned": args.epochs, "stopped_by_time_budget": stop,
-        "batch_size": task.batch_size, "train_time": train_time, "step_time": step_time, "compute": compute,
+        "batch_size": task.batch_size, "train_time": train_time, "step_time": step_time, "step_times": step_times,
+        "compute": compute,
         "encode": encode, "communicate": max(0.0, step_time - compute - encode),
         "tx_bytes_train": sent, "tx_bytes_per_step": sent / max(1, steps_timed),
         "history": history, "time_to_target": time_to_target, "target": args.target,

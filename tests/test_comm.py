@@ -225,3 +225,53 @@ def test_exchange_with_fused_momentum_equals_the_composed_exchange():
         assert formats["topk_dense"] == "dense" and formats["strom_dense"] == "dense"
         assert formats["topk"] == "topk8" and formats["ternary"] == "ternary"
 
+
+
+# -- apply_later: the mean decoded straight into the caller's buffer, minus it, once the caller says so --
+def _apply_later():
+    warnings.simplefilter("ignore")
+    r = dist.get_rank()
+    out = {}
+    for name, encoder, n, fallback in (("topk", TopK(0.05, values="sign", warmup_steps=0), 5000, "auto"),
+                                       ("dense", TopK(0.05, warmup_steps=0), 4, "auto"),  # 4 elements: dense
+                                       ("varying", None, 3000, "auto")):
+        upd, res = _data(r, n, 0.01 * (r + 1))
+        kwargs = dict(encoder=encoder) if encoder is not None else dict(tau=0.01)
+        plain = exchange_async(upd.clone(), res.clone(), kept=torch.empty(n), fallback=fallback, **kwargs).wait()
+        kept = torch.empty(n)
+        later = exchange_async(upd.clone(), res.clone(), kept=kept, fallback=fallback, apply_later=True,
+                               **kwargs).wait()
+        dst = torch.linspace(-1, 1, n)
+        expected = dst - plain.out
+        before = dst.clone()
+        later.subtract_from(dst)
+        try:
+            later.subtract_from(dst)
+            twice = "applied twice"
+        except RuntimeError as e:
+            twice = str(e)
+        out[name] = {"format": later.format, "out": later.out, "dst": _np(dst), "expected": _np(expected),
+                     "moved": not torch.equal(dst, before), "twice": twice,
+                     "kept_zero_if_dense": later.format != "dense" or bool((kept == 0).all())}
+    # A skipped step (a non-finite update on rank 1, nonfinite="skip") has nothing to apply.
+    upd, res = _data(r, 500, 0.01)
+    if r == 1:
+        upd[7] = float("nan")
+    skipped = exchange_async(upd, res, encoder=TopK(0.05, warmup_steps=0), kept=torch.empty(500),
+                             nonfinite="skip", apply_later=True).wait()
+    out["skipped"] = (skipped.skipped, skipped.out is None, skipped.pending is None)
+    with pytest.raises(ValueError, match="apply_later"):
+        exchange_async(upd, res, tau=0.01, out=torch.empty(500), apply_later=True)
+    return out
+
+
+def test_apply_later_subtracts_the_mean_from_the_buffer_named_afterwards():
+    by_rank = run_local(_apply_later, 2, timeout=120)
+    for name, fmt in (("topk", "topk_sign"), ("dense", "dense"), ("varying", None)):
+        a, b = by_rank[0][name], by_rank[1][name]
+        if fmt is not None:
+            assert a["format"] == fmt
+        assert a["out"] is None and a["moved"] and "applied already" in a["twice"] and a["kept_zero_if_dense"]
+        np.testing.assert_allclose(a["dst"], a["expected"], rtol=1e-6, atol=1e-7)
+        assert np.array_equal(a["dst"], b["dst"])            # the same bits on every rank
+    assert by_rank[0]["skipped"] == by_rank[1]["skipped"] == (True, True, True)

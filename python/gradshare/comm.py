@@ -87,8 +87,9 @@ class ExchangeAbortedError(RuntimeError):
 
 @dataclass
 class ExchangeResult:
-    """What one exchange did. ``out`` holds the decoded mean (or sum) unless ``skipped``."""
-    out: torch.Tensor
+    """What one exchange did. ``out`` holds the decoded mean (or sum) unless ``skipped``, or, from an exchange
+    started with ``apply_later=True``, is None: :meth:`subtract_from` then decodes the mean into a buffer."""
+    out: Optional[torch.Tensor]
     format: str                 # "sparse", "bitmap" (largest message), "topk", "ternary", "dense" (fallback)
                                 # or "skipped"
     world: int
@@ -101,10 +102,20 @@ class ExchangeResult:
     dense_bytes: int            # per rank, a dense fp32 ring allreduce of the buffer
     nonfinite_ranks: List[int] = field(default_factory=list)
     message: Optional[torch.Tensor] = None   # this rank's own encoded message (None for a skipped step)
+    pending: Optional[Callable[[torch.Tensor], None]] = field(default=None, repr=False)
 
     @property
     def skipped(self) -> bool:
         return self.format == "skipped"
+
+    def subtract_from(self, dst: torch.Tensor) -> None:
+        """``apply_later``: ``dst -= the decoded mean`` (a float32 buffer of ``n`` elements), in one pass over what
+        was sent (a sparse message adds its entries into ``dst``, scaled by minus the mean's scale: no buffer
+        of the mean is zeroed, filled and subtracted). Call it once, and only for a step that was not skipped."""
+        if self.pending is None:
+            raise RuntimeError("subtract_from: not an exchange started with apply_later=True, or applied already")
+        pending, self.pending = self.pending, None
+        pending(dst)
 
     @property
     def count(self) -> int:
@@ -166,7 +177,7 @@ class _Exchange:
     """One exchange in flight: the stages share this object."""
 
     def __init__(self, update, residual, encoder, step, out, group, average, fallback, backup, nonfinite, name,
-                 kept=None, velocity=None):
+                 kept=None, velocity=None, apply_later=False):
         if fallback not in FALLBACKS:
             raise ValueError(f"fallback: expected one of {FALLBACKS}, got {fallback!r}")
         if nonfinite not in POLICIES:
@@ -175,8 +186,12 @@ class _Exchange:
             raise TypeError("update and residual: expected torch tensors")
         self.update = update.view(-1)
         self.residual = residual.view(-1)
-        self.out = self.update if out is None else out
-        if self.out.numel() != self.update.numel():
+        # apply_later: the mean is decoded by the result's subtract_from, into a buffer the caller names then
+        self.apply_later = bool(apply_later)
+        if self.apply_later and out is not None:
+            raise ValueError("out: an exchange with apply_later=True writes no out (result.subtract_from does)")
+        self.out = None if self.apply_later else (self.update if out is None else out)
+        if self.out is not None and self.out.numel() != self.update.numel():
             raise ValueError(f"out: {self.out.numel()} elements but update has {self.update.numel()}")
         if backup is not None and (backup.numel() != self.residual.numel() or backup.dtype != torch.float32):
             raise ValueError("backup: must be a float32 buffer the size of the residual")
@@ -281,7 +296,8 @@ class _Exchange:
             self.residual.copy_(self.backup)
         if self.nonfinite == "raise":
             raise NonFiniteStepError(self.step, bad, indices, self.name)
-        self.out.zero_()
+        if self.out is not None:
+            self.out.zero_()
         return self._result("skipped", 0, bad)
 
     # stage 3: launch the payload collective
@@ -312,9 +328,17 @@ class _Exchange:
                     return self._nonfinite([], [])
             if scale != 1.0:
                 self.kept.mul_(scale)
+            lengths = allgather_bytes(self.world, 0) if self.fixed is None else 0
+            if self.apply_later:                          # kept holds the mean until it is applied
+                kept = self.kept
+
+                def apply(dst: torch.Tensor) -> None:
+                    dst.view(-1).sub_(kept)
+                    kept.zero_()                          # everything was sent: nothing waits
+
+                return self._result("dense", ring_allreduce_bytes(self.world, self.n) + lengths, pending=apply)
             self.out.copy_(self.kept)
             self.kept.zero_()
-            lengths = allgather_bytes(self.world, 0) if self.fixed is None else 0
             return self._result("dense", ring_allreduce_bytes(self.world, self.n) + lengths)
         rows = self.rows.view(self.world, self.max_words)
         if self.fixed is not None:
@@ -327,6 +351,15 @@ class _Exchange:
             if bad:
                 return self._nonfinite(bad, [heads[r][3] for r in bad])
         ops.validate(rows, self.n, scale=scale)          # a rejected message leaves out as it was
+        fmt = (FORMAT_NAMES[self.formats[0]] if self.fixed is not None
+               else FORMAT_NAMES[BITMAP if BITMAP in self.formats else SPARSE])
+        sent = (fixed_allgather_bytes(self.world, self.fixed) if self.fixed is not None
+                else allgather_bytes(self.world, self.max_words))
+        if self.apply_later:
+            def apply(dst: torch.Tensor) -> None:
+                ops.decode(dst.view(-1), rows, scale=-scale)
+
+            return self._result(fmt, sent, pending=apply)
         if self.out.dtype == torch.float32 and self.out.is_contiguous():
             dst = self.out.view(-1)
             dst.zero_()
@@ -335,18 +368,16 @@ class _Exchange:
         ops.decode(dst, rows, scale=scale)
         if dst is not self.out and dst.data_ptr() != self.out.data_ptr():
             self.out.copy_(dst.view_as(self.out))
-        if self.fixed is not None:
-            return self._result(FORMAT_NAMES[self.formats[0]], fixed_allgather_bytes(self.world, self.fixed))
-        fmt = FORMAT_NAMES[BITMAP if BITMAP in self.formats else SPARSE]
-        return self._result(fmt, allgather_bytes(self.world, self.max_words))
+        return self._result(fmt, sent)
 
-    def _result(self, fmt: str, sent: int, bad=None) -> ExchangeResult:
+    def _result(self, fmt: str, sent: int, bad=None, pending=None) -> ExchangeResult:
         if fmt == "skipped":
             sent = allgather_bytes(self.world, 0) if self.fixed is None else fixed_allgather_bytes(self.world, self.fixed)
         return ExchangeResult(out=self.out, format=fmt, world=self.world, n=self.n, tau=self.tau,
                               words=self.words, counts=self.counts, formats=self.formats, bytes_sent=sent,
                               dense_bytes=ring_allreduce_bytes(self.world, self.n),
-                              nonfinite_ranks=list(bad or []), message=None if bad is not None else self.msg)
+                              nonfinite_ranks=list(bad or []), message=None if bad is not None else self.msg,
+                              pending=pending)
 
 
 def _entries(head: List[int], n: int) -> int:
@@ -392,13 +423,13 @@ def any_nonfinite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _make(update, residual, tau, encoder, clip, format, step, out, group, average, fallback, backup, nonfinite,
-          name, kept=None, velocity=None) -> _Exchange:
+          name, kept=None, velocity=None, apply_later=False) -> _Exchange:
     if (tau is None) == (encoder is None):
         raise TypeError("exchange: pass either tau (+-tau threshold encoding) or encoder= (a compression policy)")
     if encoder is None:
         encoder = _TauEncoder(tau, clip, format)
     return _Exchange(update, residual, encoder, step if step is not None else 0, out, group, average, fallback,
-                     backup, nonfinite, name, kept, velocity)
+                     backup, nonfinite, name, kept, velocity, apply_later)
 
 
 @renamed_kwargs(group="process_group")
@@ -524,19 +555,22 @@ def exchange_async(update: torch.Tensor, residual: torch.Tensor, tau: Optional[f
                    clip: Optional[float] = None, format: str = "auto", fallback: str = "auto",
                    backup: Optional[torch.Tensor] = None, nonfinite: str = "raise", step: Optional[int] = None,
                    name: str = "buffer", channel: Optional[Channel] = None,
-                   kept: Optional[torch.Tensor] = None, velocity=None) -> torch.futures.Future:
+                   kept: Optional[torch.Tensor] = None, velocity=None,
+                   apply_later: bool = False) -> torch.futures.Future:
     """Non-blocking exchange: encodes now, returns a Future[ExchangeResult] chained on async collectives.
 
     Same arguments as ``exchange``, and ``velocity``: None, or (velocity, m, velocity_out) to encode
     m * velocity + update instead of the update, the new velocity (0 where sent) written to velocity_out in
-    the same kernel (Deep Gradient Compression's momentum correction; needs ``kept``). Fixed-length messages (TopK, Ternary) are gathered at once, on
+    the same kernel (Deep Gradient Compression's momentum correction; needs ``kept``). ``apply_later``: no
+    ``out``; the messages are checked when they arrive and the result's ``subtract_from(dst)`` decodes the
+    mean into ``dst`` (minus it), once the caller knows every exchange of its step succeeded (all or nothing). Fixed-length messages (TopK, Ternary) are gathered at once, on
     ``process_group``, in call order. Varying-length ones first gather the lengths on ``process_group``
     (launched here, on the caller's thread) and then the payload on ``channel``'s private group (default: one
     channel per group), launched in call order when the lengths arrive. Errors (NonFiniteStepError, a failed
     collective) are set on the returned future: ``wait()`` raises them on every rank.
     """
     ex = _make(update, residual, tau, encoder, clip, format, step, out, process_group, average, fallback, backup,
-               nonfinite, name, kept, velocity)
+               nonfinite, name, kept, velocity, apply_later)
     result: torch.futures.Future = torch.futures.Future()
 
     def fail(e: BaseException) -> None:

@@ -13,9 +13,13 @@ It decides from what it measures, the time from one step's end to the next (comp
 whatever the user's loop does), not from a model of the link (a probe of the link only rules out what cannot
 win, below): it times a few steps of each, agrees the
 medians with every rank (one all-reduce of two numbers, taking the slowest rank's), and keeps the
-faster, preferring the all-reduce unless compression makes the step faster by more than ``margin`` (25%:
-compressing with error feedback can take more steps to reach the same accuracy early in training, by up to
-a quarter in gradshare's end-to-end benchmarks, so a step only a little faster does not pay). A pause of the
+faster, preferring the all-reduce unless compression makes the step faster by more than ``margin``. That is
+10% where what a step does not send waits in each rank's model (gradshare's defaults: the sharing core passes
+``MODEL_MARGIN``), which trains as well as DDP at equal steps (the README's quality table) and reached its
+end-to-end targets in as few steps or fewer (MNIST CNN 95% at step 150 against DDP's 175, the MLP 90% at step 100
+against 125), so the margin only guards against step times that differ by noise; it is 25% (the default here)
+where what waits is in the residual buffer (``error_feedback="buffer"``), which can take more steps to reach the
+same accuracy early in training, by up to a quarter in gradshare's end-to-end benchmarks. A pause of the
 user's loop (an evaluation, a checkpoint, a log flush) lands in one step now and then, and is not the
 exchange's time: no choice is judged on a single step, and the median taken is the lower one (of two
 steps, the faster), so one such step among the samples moves nothing.
@@ -27,12 +31,14 @@ all-reduce step the ranks time a few small all-reduces (at most 1 MiB, a quarter
 at 100 Mbit/s) and extrapolate what moving every bucket would take, a lower bound on the all-reduce step
 (gradshare.costmodel.Link.measured: the probe's per-byte time, its latency taken off), after the part of a
 step that comes before any exchange can start (data, forward and the backward up to DDP's first bucket, or to
-the optimizer's step: measured on the compressed steps). At the start, where that bound is slower than the
-compressed step by more than ``margin`` (what measuring it would decide), the all-reduce is not run;
-elsewhere (every fast link) it is measured as below. The bound is taken again each time the all-reduce is due
-to be measured again, and then rules it out only at ``clear_loss`` times the compressed step: an all-reduce
-that the bound puts between the two is measured at that first look again, so a probe that overestimates
-(small transfers slower per byte than large ones) costs one interval, not the run.
+the optimizer's step: measured on the compressed steps). Where that bound is slower than the compressed step
+by ``clear_loss`` (2x), the all-reduce is not run; elsewhere (every fast link) it is measured as below. The
+bound is taken again each time the all-reduce is due to be measured again. It rules out only at
+``clear_loss``, not at the margin that decides between two measured steps: a probe of a few milliseconds on
+a loaded machine can come out several times too slow (one rank descheduled while it runs; measured on two
+ranks sharing two cores: 12 to 51 ms for the same 15 MB all-reduce), and a fast link taken for a slow one
+would then run every step compressed, and slower, until the next look. Measuring an all-reduce the bound puts
+between the margin and ``clear_loss`` costs a few steps that lose less than twice over.
 
 A link that changes is followed. On the all-reduce its cost shows in the step itself: every
 ``check_every`` steps the ranks agree their recent all-reduce step time, and compression is measured
@@ -47,8 +53,8 @@ steps, one about as fast every 50. Every rank takes the same decision at
 the same step, so replicas stay identical.
 
 Switching to the all-reduce makes the ranks' optimizer states and parameters consistent first: what the
-residuals still hold is applied (mean over ranks) and the optimizer states are averaged, in one
-all-reduce. Switching back needs nothing: states and parameters are then equal on every rank.
+residuals still hold is applied (mean over ranks) and the optimizer states are averaged (all-reduces in
+flight together, each large tensor where it lies). Switching back needs nothing: states and parameters are then equal on every rank.
 """
 from __future__ import annotations
 
@@ -59,6 +65,7 @@ from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional
 
 ALLREDUCE, COMPRESSED = "allreduce", "compressed"
+MODEL_MARGIN = 0.1      # the margin with what waits in each rank's model (module docstring)
 
 
 class LinkAware:
@@ -74,11 +81,12 @@ class LinkAware:
     link the all-reduce is looked at for three steps, not five.
 
     Args:
-        margin: compression is chosen only when its step is faster by more than this fraction.
+        margin: compression is chosen only when its step is faster by more than this fraction (the sharing
+            core's default: ``MODEL_MARGIN`` where what waits is in each rank's model, else this default).
         probe_steps: steps timed per measurement of a choice, at most.
         calibration_steps: all-reduce steps of its first measurement (>= 2).
-        clear_loss: a measurement ends as soon as its choice is this many times slower; after the first
-            decision, the link probe's bound rules the all-reduce out only at this many times the compressed step.
+        clear_loss: a measurement ends as soon as its choice is this many times slower; the link probe's bound
+            rules the all-reduce out only at this many times the compressed step.
         overhead: the largest fraction of the run spent re-measuring the slower choice (2%: a fast link is
             where the all-reduce wins, and there gradshare's step should cost what DDP's does).
         min_seconds: the least time a measurement of a choice covers (up to 16 timed steps).
@@ -89,9 +97,11 @@ class LinkAware:
             taken then follow from the settings alone, e.g. with ``min_seconds=0``).
         clock: seconds, monotonic (time.perf_counter).
 
-    ``steady_from`` (set by the sharing core from the compression's warm-up, e.g. TopK's 100 steps at a
-    higher density): compressed steps measured before it cost more than they will; when the all-reduce
-    wins on such a measurement, compression is measured again as soon as the warm-up is over.
+    ``steady_from`` and ``steady_ratio`` (set by the sharing core from the compression's warm-up, e.g. TopK's
+    100 steps at a higher density): compressed steps measured before ``steady_from`` cost more than they will,
+    their messages shrinking to ``steady_ratio`` of the size measured (0: unknown). When the all-reduce wins on
+    such a measurement, compression is measured again as soon as the warm-up is over, unless it could not win
+    even if its whole step shrank with its message.
     """
 
     def __init__(self, margin: float = 0.25, probe_steps: int = 4, overhead: float = 0.02,
@@ -127,6 +137,7 @@ class LinkAware:
         self._calibrate()
         self.next_probe: Optional[int] = None
         self.steady_from = 0
+        self.steady_ratio = 0.0
         self.seconds: Dict[str, Optional[float]] = {ALLREDUCE: None, COMPRESSED: None}   # agreed medians
         self.decisions = 0
         self.estimated = False              # seconds[ALLREDUCE] is the link probe's bound, not a measurement
@@ -195,9 +206,7 @@ class LinkAware:
             if not self.plan:
                 agreed = agreed or self._agree(agree)
                 if mode == COMPRESSED and not self._samples[ALLREDUCE]:    # the start, or a resumed run's
-                    # a bound that alone loses by the margin decides (what measuring would decide); a probe
-                    # that overestimates is corrected at the first look again, which rules out only at clear_loss
-                    self._measure(ALLREDUCE, self.calibration_steps, agreed, bound, rule_out=1 + self.margin)
+                    self._measure(ALLREDUCE, self.calibration_steps, agreed, bound)
                 else:
                     self._decide(agreed)
             elif timed and mode == self.probing and len(self._samples[mode]) >= 2:
@@ -212,14 +221,13 @@ class LinkAware:
                           self._agree(agree) if bound is not None and other == ALLREDUCE else None, bound)
 
     def _measure(self, mode: str, steps: int, agreed: Optional[Dict[str, Any]],
-                 bound: Optional[Callable[[], float]], rule_out: Optional[float] = None) -> None:
+                 bound: Optional[Callable[[], float]]) -> None:
         """Plans ``steps`` steps of ``mode`` (the first untimed), unless ``mode`` is the all-reduce and the link
-        probe's bound alone makes it ``rule_out`` (default ``clear_loss``) times slower than the compressed step
-        (``agreed``): then compression is chosen again, the bound standing for the all-reduce's time, without a
-        step of it."""
+        probe's bound alone makes it ``clear_loss`` times slower than the compressed step (``agreed``): then
+        compression is chosen again, the bound standing for the all-reduce's time, without a step of it."""
         if mode == ALLREDUCE and bound is not None and agreed is not None and math.isfinite(agreed[COMPRESSED]):
             estimate = float(bound()) + agreed["ready"]       # the link's share, after what comes before it
-            if estimate > (self.clear_loss if rule_out is None else rule_out) * agreed[COMPRESSED]:
+            if estimate > self.clear_loss * agreed[COMPRESSED]:
                 self._decide(dict(agreed, **{ALLREDUCE: estimate}), estimated=True)
                 return
         self._samples[mode].clear()                 # its earlier times are stale: the link may have changed
@@ -285,8 +293,17 @@ class LinkAware:
         else:
             interval = self.max_interval
         self.next_probe = self._decided_at + min(self.max_interval, max(self.min_interval, interval))
-        if self.choice == ALLREDUCE and self.steps < self.steady_from:
+        if self.choice == ALLREDUCE and self.steps < self.steady_from and self._may_win_when_steady():
             self.next_probe = min(self.next_probe, self.steady_from)
+
+    def _may_win_when_steady(self) -> bool:
+        """Whether compression, measured during its warm-up and beaten, could win once the warm-up is over: its
+        step then takes at least ``steady_ratio`` times the step measured (only the message shrinks, to that
+        fraction at most), and must still beat the all-reduce's by the margin."""
+        t_all, t_comp = self.seconds[ALLREDUCE], self.seconds[COMPRESSED]
+        if t_all is None or t_comp is None or not (math.isfinite(t_all) and math.isfinite(t_comp)):
+            return True
+        return t_comp * self.steady_ratio * (1 + self.margin) < t_all
 
     def _median(self, mode: str) -> float:
         """The lower median of a choice's recent steps: one step that held a pause of the user's loop moves

@@ -71,7 +71,7 @@ from gradshare import comm, momentum_masking as masking, optimizer_state, second
 from gradshare.comm import ExchangeResult, NonFiniteStepError, exchange_async
 from gradshare.compression import Compression, Dense, as_compression, for_optimizer
 from gradshare.costmodel import Link, ring_allreduce_bytes
-from gradshare.link import ALLREDUCE, LinkAware
+from gradshare.link import ALLREDUCE, MODEL_MARGIN, LinkAware
 from gradshare.stats import Statistics, StepRecord, residual_norm
 
 NONFINITE = ("raise", "skip")
@@ -450,9 +450,10 @@ class Sharing:
         self.step_skipped = False
         self.buckets: List[Bucket] = []
         self.link = _resolve_link(link, chosen is None and mode == "updates" and reduce == "mean" and not delay
-                                  and fallback == "auto" and momentum is None and self.residual_decay == 1.0, mode)
+                                  and fallback == "auto" and momentum is None and self.residual_decay == 1.0, mode,
+                                  self.own_models)
         if self.link is not None:
-            self.link.steady_from = int(getattr(self.compression, "warmup_steps", 0))
+            self.link.steady_from, self.link.steady_ratio = _warm_up(self.compression)
         # Optimizer states known equal on every rank (link-aware all-reduce steps); None: nothing has run yet.
         self._consistent: Optional[bool] = None
         self._sync_bytes = 0
@@ -542,9 +543,11 @@ class Sharing:
                 self.agree(b)
 
     # --------------------------------------------------------------------------------- one bucket's step
-    def start(self, b: Bucket, update: torch.Tensor, out: torch.Tensor, name: str) -> torch.futures.Future:
-        """Starts bucket ``b``'s exchange of ``update`` (decoded mean into ``out``); a Future[ExchangeResult].
-        What is not sent goes to ``b.spare``: the residual is only read until :meth:`commit`."""
+    def start(self, b: Bucket, update: torch.Tensor, out: Optional[torch.Tensor], name: str,
+              apply_later: bool = False) -> torch.futures.Future:
+        """Starts bucket ``b``'s exchange of ``update`` (decoded mean into ``out``; ``apply_later``: into nothing
+        yet, the result's ``subtract_from`` applies it); a Future[ExchangeResult]. What is not sent goes to
+        ``b.spare``: the residual is only read until :meth:`commit`."""
         if not b.agreed:
             self.agree(b)
         # Momentum correction: the encoders take u = m*u + g and write it, 0 where sent (factor masking), to the
@@ -553,7 +556,8 @@ class Sharing:
         b.in_step = True
         return exchange_async(update, b.residual, encoder=b.compression, out=out, process_group=self.process_group,
                               average=self.reduce == "mean", fallback=self.fallback, nonfinite=self.nonfinite,
-                              step=self.step, name=name, kept=b.spare, velocity=velocity)
+                              step=self.step, name=name, kept=b.spare, velocity=velocity,
+                              apply_later=apply_later)
 
     def finish(self, results: Sequence[Tuple[Bucket, ExchangeResult]]) -> bool:
         """Ends a step once all its exchanges are done: adapts thresholds and records statistics, or, when any
@@ -595,19 +599,21 @@ class Sharing:
         written (module docstring); only the step is marked over."""
         b.in_step = False
 
-    def run(self, items: Sequence[Tuple[Bucket, torch.Tensor, torch.Tensor]]) -> List[Tuple[Bucket, ExchangeResult]]:
+    def run(self, items: Sequence[Tuple[Bucket, torch.Tensor, Optional[torch.Tensor]]],
+            apply_later: bool = False) -> List[Tuple[Bucket, ExchangeResult]]:
         """Exchanges (bucket, update, out) for every bucket (all launched, then all awaited); raises the first
         error after every exchange has ended, so no collective is left in flight, with every bucket restored."""
-        return self.collect(self.launch(items))
+        return self.collect(self.launch(items, apply_later))
 
-    def launch(self, items: Sequence[Tuple[Bucket, torch.Tensor, torch.Tensor]]) -> List[Tuple[Bucket, Any]]:
+    def launch(self, items: Sequence[Tuple[Bucket, torch.Tensor, Optional[torch.Tensor]]],
+               apply_later: bool = False) -> List[Tuple[Bucket, Any]]:
         """Starts the exchange of (bucket, update, out) for every bucket, in order. A launch that fails
         leaves its error in place of its future, and none after it is started (:meth:`collect` raises it)."""
         futures: List[Tuple[Bucket, Any]] = []
         self.agree_all(b for b, _, _ in items)
         for b, u, o in items:
             try:
-                futures.append((b, self.start(b, u, o, f"bucket {b.index}")))
+                futures.append((b, self.start(b, u, o, f"bucket {b.index}", apply_later)))
             except BaseException as e:  # noqa: BLE001  (a launch failed: wait for those launched, restore all)
                 futures.append((b, e))
                 break
@@ -693,11 +699,15 @@ class Sharing:
         if self.delay:
             return self._share_updates_late(share_grads, joined)
         bs = self.buckets if buckets is None else list(buckets)
-        items = [(b, d, d) for b, d in zip(bs, self._deltas(share_grads, bs, joined))]
-        watched = (self.masking.before(bs, [d for _, d, _ in items])
+        deltas = self._deltas(share_grads, bs, joined)
+        watched = (self.masking.before(bs, deltas)
                    if self.masking is not None and outer is None and not (share_grads or joined) else None)
+        # The mean result moves by the decoded mean: decoded straight into it (once every bucket's exchange is
+        # in), where nothing else reads the mean.
+        into_snapshot = self.own_models and outer is None and not watched
+        items = [(b, d, None if into_snapshot else d) for b, d in zip(bs, deltas)]
         try:
-            results = self.run(items)
+            results = self.run(items, apply_later=into_snapshot)
         except BaseException:
             self.restore_params(bs)
             if self.show_mean:
@@ -709,9 +719,12 @@ class Sharing:
         if ok and watched:
             self.masking.after(watched, results)
         if self.own_models and outer is None:
-            for b in bs:                         # the mean result, then each rank's model minus what it kept
+            for b, (_, r) in zip(bs, results):   # the mean result, then each rank's model minus what it kept
                 if ok:
-                    b.snapshot.sub_(b.flat)
+                    if into_snapshot:
+                        r.subtract_from(b.snapshot)
+                    else:
+                        b.snapshot.sub_(b.flat)
                 if self.show_mean:
                     b.set_params(b.snapshot)
                 else:
@@ -1047,9 +1060,11 @@ class Sharing:
         """Before the optimizer steps on an all-reduced gradient: the same optimizer state and parameters on
         every rank. After compressed steps each rank's optimizer state is its own and the residuals hold
         what was not sent yet (``error_feedback="model"``: in each rank's parameters, which are put back to the
-        mean result first); one all-reduce per bucket applies the mean residual to the parameters and
-        averages the state tensors shaped like a parameter (momenta, Adam's moments; a rescaled optimizer's
-        second moment as each rank's estimate of the global batch's, gradshare.second_moment). Nothing is sent
+        mean result first); all-reduces, all in flight together, apply the mean residual to the parameters and
+        average the optimizer's state tensors (momenta, Adam's moments; a rescaled optimizer's second moment as
+        each rank's estimate of the global batch's, gradshare.second_moment). Each residual and each large
+        state tensor is averaged where it lies, the small ones together in one buffer: a copy of everything
+        into one buffer cost as much as the all-reduce itself (its first touch of that memory). Nothing is sent
         when the states are known equal already, or empty on every rank (a fresh start: one 8-byte all-reduce
         says so)."""
         if self._consistent:
@@ -1063,22 +1078,40 @@ class Sharing:
         # The same entries and counters on every rank (a parameter only some ranks stepped: optimizer_state)
         optimizer_state.agree(optimizer, (p for b in self.buckets for p in b.params), self.process_group,
                               self.buckets[0].device if self.buckets else None)
+        works, small, back = [], [], []
+
+        def mean_of(t: torch.Tensor) -> None:       # in place: its sum over the ranks, divided first
+            works.append(dist.all_reduce(t.div_(world), group=self.process_group, async_op=True))
+            self._sync_bytes += ring_allreduce_bytes(world, t.numel())
+
         for b in self.buckets:
+            mean_of(b.residual)
             # Adam's exp_avg_sq goes in as each rank's estimate of the global batch's (gradshare.second_moment)
-            states = list(second_moment.to_global(optimizer, b.params, world, self.rescale))
-            flat = torch.cat([b.residual] + [src.detach().reshape(-1).float() for src, _ in states])
-            dist.all_reduce(flat.div_(world), group=self.process_group)
+            for src, dst in second_moment.to_global(optimizer, b.params, world, self.rescale):
+                flat = src.detach().reshape(-1).float()
+                if flat.numel() < _IN_PLACE_MIN:
+                    small.append((flat, dst))       # averaged together, in one buffer
+                    continue
+                mean_of(flat)
+                if flat.data_ptr() != dst.data_ptr() or flat.dtype != dst.dtype:
+                    back.append((flat, dst))        # a converted copy (or not laid out flat): written back
+        if small:
+            joined = torch.cat([f for f, _ in small])
+            mean_of(joined)
+            off = 0
+            for f, dst in small:
+                back.append((joined[off:off + f.numel()], dst))
+                off += f.numel()
+        for w in works:
+            w.wait()
+        for b in self.buckets:                      # the mean of what the ranks held back, applied
             if self.own_models and b.start_held:
-                torch.sub(b.snapshot, flat[:b.n], out=b.flat)
+                b.set_params_own()
             else:
-                b.gather_params(b.flat).sub_(flat[:b.n])
-            b.set_params(b.flat)
+                b.set_params(b.gather_params(b.flat).sub_(b.residual))
             b.residual.zero_()
-            off = b.n
-            for _, t in states:
-                t.copy_(flat[off:off + t.numel()].view_as(t))
-                off += t.numel()
-            self._sync_bytes += ring_allreduce_bytes(world, flat.numel())
+        for flat, dst in back:
+            dst.copy_(flat.view_as(dst))
         self._consistent = True
 
     def end_allreduce_step(self) -> None:
@@ -1247,13 +1280,29 @@ class Sharing:
             self._arrived = True
 
 
-def _resolve_link(link: Any, default_ok: bool, mode: str) -> Optional[LinkAware]:
+# make_consistent: a state tensor of at least this many elements is averaged where it is (no copy); smaller ones
+# together in one buffer (one collective for a model's many small tensors: biases, norms, a 0-dim's moments).
+_IN_PLACE_MIN = 1 << 16
+
+
+def _warm_up(compression: Compression) -> Tuple[int, float]:
+    """The steps of ``compression``'s warm-up and how small its message then gets against its first step's (the
+    link-aware policy's first measurement: gradshare.link; 0.0 where the size is not known before encoding)."""
+    steps = int(getattr(compression, "warmup_steps", 0))
+    first, steady = compression.words(1 << 20, 0), compression.words(1 << 20, steps)
+    return steps, (steady / first if first and steady else 0.0)
+
+
+def _resolve_link(link: Any, default_ok: bool, mode: str, own_models: bool = False) -> Optional[LinkAware]:
     """The LinkAware for a sharing core: "auto" means one when ``default_ok`` (module docstring of
-    gradshare.link), None none, a LinkAware a copy of it (sharing updates only)."""
+    gradshare.link; its margin MODEL_MARGIN where what waits is in each rank's model), None none, a LinkAware a
+    copy of it (sharing updates only)."""
     if link is None:
         return None
     if isinstance(link, str) and link == "auto":
-        return LinkAware() if default_ok else None
+        if not default_ok:
+            return None
+        return LinkAware(margin=MODEL_MARGIN) if own_models else LinkAware()
     if isinstance(link, LinkAware):
         if mode != "updates":
             raise ValueError("link: link-aware sharing chooses between all-reduced gradients and shared updates; "
