@@ -73,13 +73,14 @@ def test_calibrates_then_keeps_the_faster():
 
 
 def test_short_steps_are_measured_for_min_seconds():
-    # 5 ms steps: each choice is timed until its steps add up to 0.1 s (20 steps), at most 16 of them
+    # 5 ms steps: each choice is timed until its steps add up to 0.25 s (50 steps), at most 16 of them
     link, modes = _alone({ALLREDUCE: 0.005, COMPRESSED: 0.003}, 40)
     assert modes[:35] == [COMPRESSED] * 17 + [ALLREDUCE] * 17 + [COMPRESSED]
     assert link.choice == COMPRESSED and link.decisions == 1
-    link, modes = _alone({ALLREDUCE: 0.04, COMPRESSED: 0.035}, 12)  # 40 ms: 3 timed all-reduce steps cover 0.1 s
-    assert modes == [COMPRESSED] * 5 + [ALLREDUCE] * 7
-    assert link.choice == ALLREDUCE                                  # 0.035 * 1.25 > 0.04
+    # 35 and 40 ms: 8 timed compressed steps and 7 timed all-reduce steps cover 0.25 s
+    link, modes = _alone({ALLREDUCE: 0.04, COMPRESSED: 0.035}, 20)
+    assert modes == [COMPRESSED] * 9 + [ALLREDUCE] * 11
+    assert link.choice == ALLREDUCE and link.decisions == 1          # 0.035 * 1.25 > 0.04
     link, modes = _alone({ALLREDUCE: 0.005, COMPRESSED: 0.003}, 10, min_seconds=0)
     assert modes[:8] == [COMPRESSED] * 5 + [ALLREDUCE] * 3
     with pytest.raises(ValueError, match="min_seconds"):
