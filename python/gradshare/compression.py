@@ -62,6 +62,14 @@ class Compression:
     def observe(self, count: int, n: int, message_format: int) -> None:
         pass
 
+    #: Whether :meth:`scaled` changes anything (a policy with a density to lower).
+    density_scalable = False
+
+    def scaled(self, scale: float) -> "Compression":
+        """This policy sending ``scale`` (0 < scale <= 1) times as many entries a step: what the link-aware
+        policy takes where a step waits on the link (gradshare.link). Policies without a density: itself."""
+        return self
+
     @property
     def tau(self) -> Optional[float]:
         """The threshold of a +-tau scheme (None for the others)."""
@@ -151,6 +159,16 @@ class TopK(Compression):
 
     def words(self, n: int, step: int) -> int:
         return msgfmt.chunked_words(ops.TOPK_VALUES[self.values], n, self.chunk, self.k(step))
+
+    density_scalable = True
+
+    def scaled(self, scale: float) -> "TopK":
+        if not 0 < scale <= 1:
+            raise ValueError(f"scale: expected a value in (0, 1], got {scale}")
+        if scale == 1:
+            return self
+        return TopK(self.density * scale, chunk=self.chunk, warmup_steps=self.warmup_steps,
+                    warmup_density=self.warmup_density * scale, values=self.values)
 
     def encode(self, update, residual, step, kept=None, velocity=None):
         return ops.encode_topk(update, residual, self.k(step), chunk=self.chunk, values=self.values, kept=kept,

@@ -52,6 +52,18 @@ step would have taken. A link 30x slower than the compressed step is looked at a
 steps, one about as fast every 50. Every rank takes the same decision at
 the same step, so replicas stay identical.
 
+Once compression wins, how much it sends is measured too, where the compression has a density to lower
+(TopK, the defaults): a few steps at ``sparsest`` times its density (the top 1% where it sends 5%), then a few at
+the full density again, so that both are timed in the same stretch of the run (steps timed at its start ran
+slower, and chose a lower density for a step that waits on compute). Where the step is faster by more than
+``margin`` at the sparsest, the step waits on the link at the full density, and the density
+is set as high as the link carries within ``margin`` of the sparser step: the step's time taken as linear in
+the density between the two measured (the exchange's bytes are), the largest density whose step is at most
+``margin`` slower than the sparsest's; as much information as fits in the time, no more. Elsewhere (the step
+waits on compute, not the link) the full density stays. It is measured once each time compression is chosen
+over the all-reduce, the same on every rank from the agreed times; ``density_scale`` is what the sharing core
+applies (gradshare.compression's ``scaled``).
+
 Switching to the all-reduce makes the ranks' optimizer states and parameters consistent first: what the
 residuals still hold is applied (mean over ranks) and the optimizer states are averaged (all-reduces in
 flight together, each large tensor where it lies). Switching back needs nothing: states and parameters are then equal on every rank.
@@ -65,6 +77,7 @@ from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional
 
 ALLREDUCE, COMPRESSED = "allreduce", "compressed"
+SPARSE, FULL = "sparse", "full"    # a density measurement's steps: compressed at ``sparsest`` times the density, and at it
 MODEL_MARGIN = 0.1      # the margin with what waits in each rank's model (module docstring)
 
 
@@ -94,6 +107,9 @@ class LinkAware:
         min_seconds: the least time a measurement of a choice covers (up to 16 timed steps).
         min_interval, max_interval: bounds on the steps between two measurements of the slower choice.
         check_every: on the all-reduce, the steps between two agreements of its recent step time.
+        sparsest: the lowest fraction of the compression's density tried where its step waits on the link
+            (module docstring; 1, the default for now: the density is never lowered). 0.2: the top 1% of the
+            defaults' 5%, which trained as well as DDP in the README's quality table (README, "How much it sends").
         probe: whether the link probe's bound may rule the all-reduce out without a step of it (False: the
             all-reduce is measured at the start and at every look, whatever the probe would say; the steps
             taken then follow from the settings alone, e.g. with ``min_seconds=0``).
@@ -109,7 +125,7 @@ class LinkAware:
     def __init__(self, margin: float = 0.25, probe_steps: int = 4, overhead: float = 0.02,
                  min_interval: int = 50, max_interval: int = 5000, calibration_steps: int = 3,
                  clear_loss: float = 2.0, check_every: int = 10, min_seconds: float = 0.25,
-                 probe: bool = True, clock: Callable[[], float] = time.perf_counter):
+                 probe: bool = True, sparsest: float = 1.0, clock: Callable[[], float] = time.perf_counter):
         if not (0 <= float(margin) < 1):
             raise ValueError(f"margin: expected a value in [0, 1), got {margin}")
         for name, v, low in (("probe_steps", probe_steps, 1), ("calibration_steps", calibration_steps, 2),
@@ -128,6 +144,11 @@ class LinkAware:
         self.calibration_steps, self.clear_loss, self.check_every = calibration_steps, float(clear_loss), check_every
         self.min_interval, self.max_interval = int(min_interval), int(max_interval)
         self.min_seconds = float(min_seconds)
+        if not (0 < float(sparsest) <= 1):
+            raise ValueError(f"sparsest: expected a value in (0, 1], got {sparsest}")
+        self.sparsest = float(sparsest)
+        self.scalable = False               # the compression has a density to lower (set by the sharing core)
+        self.scale = 1.0                    # the chosen fraction of the compression's density
         if not isinstance(probe, bool):
             raise ValueError(f"probe: expected True or False, got {probe!r}")
         self.probe = probe
@@ -141,11 +162,12 @@ class LinkAware:
         self.steady_from = 0
         self.steady_ratio = 0.0
         self.seconds: Dict[str, Optional[float]] = {ALLREDUCE: None, COMPRESSED: None}   # agreed medians
+        self.sparsest_seconds: Optional[float] = None     # the agreed step at ``sparsest`` times the density
         self.decisions = 0
         self.estimated = False              # seconds[ALLREDUCE] is the link probe's bound, not a measurement
-        self._samples: Dict[str, Deque[float]] = {ALLREDUCE: deque(maxlen=16), COMPRESSED: deque(maxlen=16)}
+        self._samples: Dict[str, Deque[float]] = {m: deque(maxlen=16) for m in (ALLREDUCE, COMPRESSED, SPARSE, FULL)}
         # This rank's last first step of each choice after the other (untimed: a switch's own cost; 0: none yet)
-        self._first: Dict[str, float] = {ALLREDUCE: 0.0, COMPRESSED: 0.0}
+        self._first: Dict[str, float] = {ALLREDUCE: 0.0, COMPRESSED: 0.0, SPARSE: 0.0, FULL: 0.0}
         self._decided_at = 0                # the step of the last decision
         self._quiet_until = 0               # no measurement triggered by the all-reduce's time before this step
         self._last_end: Optional[float] = None
@@ -161,9 +183,21 @@ class LinkAware:
 
     # ------------------------------------------------------------------------------------ the step
     @property
+    def _label(self) -> str:
+        """This step's place in the plan: ALLREDUCE, COMPRESSED, or a density measurement's SPARSE and FULL."""
+        return self.plan[0] if self.plan else self.choice  # type: ignore[return-value]
+
+    @property
     def mode(self) -> str:
         """What this step does: ALLREDUCE or COMPRESSED."""
-        return self.plan[0] if self.plan else self.choice  # type: ignore[return-value]
+        label = self._label
+        return COMPRESSED if label in (SPARSE, FULL) else label
+
+    @property
+    def density_scale(self) -> float:
+        """The fraction of the compression's density this step sends (1 on all-reduce steps)."""
+        label = self._label
+        return {SPARSE: self.sparsest, COMPRESSED: self.scale}.get(label, 1.0)
 
     def exchange_ready(self) -> None:
         """Called when this step's exchange could first start (the first call of a step counts): the work
@@ -181,7 +215,7 @@ class LinkAware:
         if not self.probe:
             bound = None
         now = self.clock()
-        mode = self.mode
+        mode = self._label
         timed = self._last_end is not None and mode == self._last_mode   # the first step after a switch is not
         returned = False
         ready, self._ready_in_step = self._ready_in_step, None
@@ -207,11 +241,13 @@ class LinkAware:
                     self.plan.appendleft(mode)      # too little measured yet: one more step of it
             if not self.plan:
                 agreed = agreed or self._agree(agree)
-                if mode == COMPRESSED and not self._samples[ALLREDUCE]:    # the start, or a resumed run's
+                if mode == FULL:
+                    self._choose_scale(agreed)
+                elif mode == COMPRESSED and not self._samples[ALLREDUCE]:    # the start, or a resumed run's
                     self._measure(ALLREDUCE, self.calibration_steps, agreed, bound)
                 else:
                     self._decide(agreed)
-            elif timed and mode == self.probing and len(self._samples[mode]) >= 2:
+            elif timed and mode == self.probing and mode in (ALLREDUCE, COMPRESSED) and len(self._samples[mode]) >= 2:
                 agreed = agreed or self._agree(agree)
                 other = ALLREDUCE if mode == COMPRESSED else COMPRESSED
                 if agreed[mode] > self.clear_loss * agreed[other]:
@@ -258,21 +294,46 @@ class LinkAware:
 
     def _agree(self, agree: Callable[[List[float]], List[float]]) -> Dict[str, float]:
         ready = statistics.median_low(self._ready) if self._ready else 0.0
-        t_all, t_comp, first_all, first_comp, ready = agree([self._median(ALLREDUCE), self._median(COMPRESSED),
-                                                             self._first[ALLREDUCE], self._first[COMPRESSED], ready])
-        return {ALLREDUCE: t_all, COMPRESSED: t_comp, "first": {ALLREDUCE: first_all, COMPRESSED: first_comp},
-                "ready": ready}
+        t_all, t_comp, t_sparse, t_full, first_all, first_comp, ready = agree(
+            [self._median(ALLREDUCE), self._median(COMPRESSED), self._median(SPARSE), self._median(FULL),
+             self._first[ALLREDUCE], self._first[COMPRESSED], ready])
+        return {ALLREDUCE: t_all, COMPRESSED: t_comp, SPARSE: t_sparse, FULL: t_full,
+                "first": {ALLREDUCE: first_all, COMPRESSED: first_comp}, "ready": ready}
 
     def _decide(self, agreed: Dict[str, Any], estimated: bool = False) -> None:
         t_all, t_comp = agreed[ALLREDUCE], agreed[COMPRESSED]
-        self.seconds = {ALLREDUCE: t_all, COMPRESSED: t_comp}
+        self.seconds.update({ALLREDUCE: t_all, COMPRESSED: t_comp})
         self.estimated = estimated
         choice = COMPRESSED if t_comp * (1 + self.margin) < t_all else ALLREDUCE
         self.decisions += 1
-        self.choice, self.probing = choice, None
+        previous, self.choice, self.probing = self.choice, choice, None
         self._decided_at = self.steps
         self._quiet_until = self.steps + self.min_interval
         self._schedule(agreed)
+        if choice == COMPRESSED and previous != COMPRESSED and self.scalable and self.sparsest < 1:
+            # How much to send: a few steps at the sparsest density, then at the full one (module docstring).
+            self._samples[SPARSE].clear()
+            self._samples[FULL].clear()
+            self.plan.extend([SPARSE] * (self.probe_steps + 1) + [FULL] * (self.probe_steps + 1))
+            self.probing = SPARSE
+        elif choice == ALLREDUCE:
+            self.scale = 1.0
+
+    def _choose_scale(self, agreed: Dict[str, Any]) -> None:
+        """The density after a measurement at ``sparsest`` (module docstring): the step's time taken as linear
+        in the density between the two measured steps, the largest density whose step is within ``margin`` of
+        the sparsest's; the full density unless the sparsest step is faster by more than ``margin``."""
+        t_full, t_low, low = agreed[FULL], agreed[SPARSE], self.sparsest
+        self.sparsest_seconds = t_low
+        self.probing = None
+        if not (math.isfinite(t_full) and math.isfinite(t_low)) or t_low * (1 + self.margin) >= t_full:
+            self.scale = 1.0
+            self.seconds[COMPRESSED] = t_full if math.isfinite(t_full) else self.seconds[COMPRESSED]
+            return
+        per_scale = (t_full - t_low) / (1 - low)              # seconds a step per unit of density scale
+        self.scale = min(1.0, low + self.margin * t_low / per_scale)
+        self.seconds[COMPRESSED] = t_low + per_scale * (self.scale - low)
+        self._samples[COMPRESSED].clear()                     # they were at another density
 
     def _schedule(self, agreed: Dict[str, float]) -> None:
         """When to measure the slower choice again. Against staying on the faster one, a measurement costs its
@@ -318,7 +379,8 @@ class LinkAware:
         """The current choice and the agreed step times it was made from (seconds)."""
         return {"choice": self.choice, "mode": self.mode, "allreduce_step_s": self.seconds[ALLREDUCE],
                 "allreduce_estimated": self.estimated,
-                "compressed_step_s": self.seconds[COMPRESSED], "decisions": self.decisions,
+                "compressed_step_s": self.seconds[COMPRESSED], "sparsest_step_s": self.sparsest_seconds,
+                "density_scale": self.scale, "decisions": self.decisions,
                 "next_probe": self.next_probe}
 
     def config(self) -> Dict[str, Any]:
@@ -326,15 +388,17 @@ class LinkAware:
         return {"margin": self.margin, "probe_steps": self.probe_steps, "overhead": self.overhead,
                 "min_interval": self.min_interval, "max_interval": self.max_interval,
                 "calibration_steps": self.calibration_steps, "clear_loss": self.clear_loss,
-                "check_every": self.check_every, "min_seconds": self.min_seconds, "probe": self.probe}
+                "check_every": self.check_every, "min_seconds": self.min_seconds, "probe": self.probe,
+                "sparsest": self.sparsest}
 
     def state_dict(self) -> Dict[str, Any]:
         return {"steps": self.steps, "choice": self.choice, "plan": list(self.plan), "next_probe": self.next_probe,
-                "seconds": dict(self.seconds), "decisions": self.decisions, "estimated": self.estimated}
+                "seconds": dict(self.seconds), "decisions": self.decisions, "estimated": self.estimated,
+                "scale": self.scale, "sparsest_seconds": self.sparsest_seconds}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         plan = list(state["plan"])
-        if any(m not in (ALLREDUCE, COMPRESSED) for m in plan) or state["choice"] not in (None, ALLREDUCE, COMPRESSED):
+        if any(m not in (ALLREDUCE, COMPRESSED, SPARSE, FULL) for m in plan) or state["choice"] not in (None, ALLREDUCE, COMPRESSED):
             raise ValueError(f"load_state_dict: not a link-aware state: {state!r}")
         if not plan and state["choice"] is None:
             raise ValueError("load_state_dict: a link-aware state with neither a plan nor a choice")
@@ -347,11 +411,16 @@ class LinkAware:
         self.next_probe = None if state["next_probe"] is None else max(int(state["next_probe"]),
                                                                          self.steps + self.min_interval)
         self.seconds = {ALLREDUCE: state["seconds"].get(ALLREDUCE), COMPRESSED: state["seconds"].get(COMPRESSED)}
+        self.sparsest_seconds = state.get("sparsest_seconds")
+        scale = float(state.get("scale", 1.0))
+        if not (0 < scale <= 1):
+            raise ValueError(f"load_state_dict: a link-aware state with density scale {scale!r}, not in (0, 1]")
+        self.scale = scale
         self.decisions = int(state["decisions"])
         self.estimated = bool(state.get("estimated", False))
         for samples in self._samples.values():
             samples.clear()
-        self._first = {ALLREDUCE: 0.0, COMPRESSED: 0.0}
+        self._first = {ALLREDUCE: 0.0, COMPRESSED: 0.0, SPARSE: 0.0, FULL: 0.0}
         self._decided_at, self._quiet_until = self.steps, self.steps + self.min_interval
         self._last_end = self._last_mode = None
         self._ready.clear()
