@@ -155,6 +155,69 @@ def test_to_own_inverts_to_global(world):
     np.testing.assert_allclose(opt.state[p]["exp_avg_sq"].numpy(), own.numpy(), rtol=1e-4)
 
 
+def _rescaled_then_plain(rescaled=3, plain=40):
+    """An AdamW whose first ``rescaled`` steps went through GlobalBatchStep with large gradients (a run's first
+    steps) and the next ``plain`` steps were the optimizer's alone with small ones (steps on the all-reduced
+    gradient, which the squared mean does not see)."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64))
+    opt = torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.99), eps=1e-8)
+    rescale = second_moment.GlobalBatchStep(opt)
+    g = torch.Generator().manual_seed(1)
+    for i in range(rescaled + plain):
+        p.grad = torch.randn(64, generator=g) * (0.1 if i >= rescaled else 1.0) + (0.5 if i < rescaled else 0.02)
+        opt.step()
+        if i < rescaled:
+            rescale.excess(p, opt.param_groups[0], 2)
+    return p, opt, rescale
+
+
+def test_the_squared_mean_counts_the_steps_it_did_not_see():
+    """Steps on the all-reduced gradient move v; the squared mean, read after them, has counted them (with the
+    mean as it is now), so it stays an average over v's window instead of holding the first steps' large mean."""
+    p, opt, rescale = _rescaled_then_plain()
+    aux = rescale._aux[id(p)]
+    b1, b2 = 0.9, 0.99
+    raw, n = aux["squared_mean"].double().clone(), aux["squared_mean_steps"]
+    st = opt.state[p]
+    t = int(st["step"])
+    m = st["exp_avg"].double() / (1 - b1 ** t)
+    k = t - n
+    assert n == 3 and k == 40
+    expected = (b2 ** k * raw + (1 - b2 ** k) * m * m) / (1 - b2 ** t)
+    got = rescale.squared_mean(p, opt.param_groups[0]).double()
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5)
+    assert float(got.mean()) < 0.5 * float((raw / (1 - b2 ** n)).mean())     # the stale value it no longer is
+    again = rescale.squared_mean(p, opt.param_groups[0])                    # counted once
+    np.testing.assert_allclose(again.numpy(), got.numpy(), rtol=1e-6)
+    p.grad = torch.randn(64) * 0.1                                           # a rescaled step counts its own
+    opt.step()
+    rescale.excess(p, opt.param_groups[0], 2)
+    assert aux["squared_mean_steps"] == t + 1 and aux["squared_mean_at"] == t + 1
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_switch_to_own_steps_and_back_keeps_the_global_batchs_second_moment(world):
+    """After all-reduced steps, to a rank's own second moment and straight back gives v back, even where the
+    squared mean the conversion keeps is above v (it is capped at v): otherwise each look at compression on a
+    fast link would raise v to it, for v's whole window."""
+    p, opt, rescale = _rescaled_then_plain()
+    aux = rescale._aux[id(p)]
+    aux["squared_mean_at"] = None                    # as a checkpoint from before steps were counted: stale,
+    aux["squared_mean"][:32] *= 1e-3                  # above v but for half the elements
+    group, st = opt.param_groups[0], opt.state[p]
+    t = float(st["step"])
+    v = st["exp_avg_sq"] / (1 - 0.99 ** t)
+    s = rescale.squared_mean(p, group).view_as(v)
+    assert bool((s > v).any()) and bool((s < v).any())
+    glob = st["exp_avg_sq"].clone()
+    second_moment.to_own(opt, [p], world, rescale)
+    assert float((st["exp_avg_sq"] - glob).abs().max()) > 0
+    for src, dst in second_moment.to_global(opt, [p], world, rescale):
+        dst.copy_(src)
+    np.testing.assert_allclose(st["exp_avg_sq"].numpy(), glob.numpy(), rtol=1e-5)
+
+
 # ------------------------------------------------------------------ 2 ranks against Adam on the global batch
 STEPS, BATCH, DIM = 150, 8, 16
 
@@ -526,7 +589,8 @@ def test_the_squared_mean_is_averaged_over_the_second_moment_s_window():
     assert float((this_step / ddp_v).median()) > 1.25, float((this_step / ddp_v).median())
     # the state is each rank's own and goes into checkpoints
     state = r.state_dict()
-    assert set(state[0]) == {"squared_mean", "squared_mean_steps"} and state[0]["squared_mean_steps"] == steps
+    assert set(state[0]) == {"squared_mean", "squared_mean_steps", "squared_mean_at"}
+    assert state[0]["squared_mean_steps"] == steps and state[0]["squared_mean_at"] == steps
     again = second_moment.GlobalBatchStep(o)
     again.load_state_dict(state)
     assert torch.equal(again.squared_mean(p, group), r.squared_mean(p, group))
