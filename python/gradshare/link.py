@@ -5,7 +5,8 @@ all-reduce, overlapped with backward, is the faster step and trains exactly. :cl
 for each step of a sharing core in "updates" mode, between
 
 - **allreduce**: the gradients are averaged by one float32 all-reduce per bucket (what DDP does, overlapped
-  with backward through the hook) and every rank's optimizer steps on the same mean gradient; and
+  with backward through the hook; in bfloat16 with error feedback where that is faster, below) and every rank's
+  optimizer steps on the same mean gradient; and
 - **compressed**: the optimizer steps on the local gradient and its update is shared compressed with
   error feedback (gradshare.sharing).
 
@@ -64,6 +65,17 @@ waits on compute, not the link) the full density stays. It is measured once each
 over the all-reduce, the same on every rank from the agreed times; ``density_scale`` is what the sharing core
 applies (gradshare.compression's ``scaled``).
 
+Once the all-reduce wins, its precision is measured the same way (``bf16``, the default): a few steps all-reducing
+the gradients in bfloat16, then a few in float32 again. Where the bfloat16 step is faster by more than
+``bf16_margin`` (5%: with error feedback it trains as float32 does, so the margin only guards against noise), the
+all-reduce stays in bfloat16: half the bytes where the link still shows in the step (DDP's own fp16 hook was 1.14x
+as fast as its float32 all-reduce on the transformer LM at 1 Gbit/s), float32 where it does not (unshaped, the
+casts cost what the bytes save). Each rank rounds the mean's share of its gradient plus what its last rounding
+left out, and keeps the new rounding error for the next step: every rank applies the same bfloat16 sum (itself
+rounded once more, as DDP's fp16 hook's is), so replicas stay identical, and over steps nothing is lost to the
+rounding of what each rank sends (the error is in the sharing core's checkpoints).
+``allreduce_precision`` is what the sharing core applies.
+
 Switching to the all-reduce makes the ranks' optimizer states and parameters consistent first: what the
 residuals still hold is applied (mean over ranks) and the optimizer states are averaged (all-reduces in
 flight together, each large tensor where it lies). Switching back needs nothing: states and parameters are then equal on every rank.
@@ -77,7 +89,12 @@ from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional
 
 ALLREDUCE, COMPRESSED = "allreduce", "compressed"
+ALLREDUCE_BF16 = "allreduce_bf16"  # the statistics' format of a step all-reduced in bfloat16
 SPARSE, FULL = "sparse", "full"    # a density measurement's steps: compressed at ``sparsest`` times the density, and at it
+HALF, FLOAT32 = "bf16", "fp32"     # a precision measurement's steps: all-reduced in bfloat16, and in float32
+# The measurement that follows each choice, and the labels of its two stretches (the cheaper one first)
+REFINE = {COMPRESSED: (SPARSE, FULL), ALLREDUCE: (HALF, FLOAT32)}
+LABELS = (ALLREDUCE, COMPRESSED, SPARSE, FULL, HALF, FLOAT32)
 MODEL_MARGIN = 0.1      # the margin with what waits in each rank's model (module docstring)
 
 
@@ -108,8 +125,12 @@ class LinkAware:
         min_interval, max_interval: bounds on the steps between two measurements of the slower choice.
         check_every: on the all-reduce, the steps between two agreements of its recent step time.
         sparsest: the lowest fraction of the compression's density tried where its step waits on the link
-            (module docstring; 1, the default for now: the density is never lowered). 0.2: the top 1% of the
-            defaults' 5%, which trained as well as DDP in the README's quality table (README, "How much it sends").
+            (module docstring; 1: the density is never lowered). The default 0.2 tries the top 1% where the
+            defaults send 5%, which trained as well as DDP in the README's quality table (README, "How much it
+            sends"); only a compression with a density to lower (``scalable``, set by the sharing core) is
+            measured so.
+        bf16: whether the all-reduce is measured in bfloat16 too, once chosen, and kept so where faster by more
+            than ``bf16_margin`` (module docstring).
         probe: whether the link probe's bound may rule the all-reduce out without a step of it (False: the
             all-reduce is measured at the start and at every look, whatever the probe would say; the steps
             taken then follow from the settings alone, e.g. with ``min_seconds=0``).
@@ -125,7 +146,8 @@ class LinkAware:
     def __init__(self, margin: float = 0.25, probe_steps: int = 4, overhead: float = 0.02,
                  min_interval: int = 50, max_interval: int = 5000, calibration_steps: int = 3,
                  clear_loss: float = 2.0, check_every: int = 10, min_seconds: float = 0.25,
-                 probe: bool = True, sparsest: float = 1.0, clock: Callable[[], float] = time.perf_counter):
+                 probe: bool = True, sparsest: float = 0.2, bf16: bool = True, bf16_margin: float = 0.05,
+                 clock: Callable[[], float] = time.perf_counter):
         if not (0 <= float(margin) < 1):
             raise ValueError(f"margin: expected a value in [0, 1), got {margin}")
         for name, v, low in (("probe_steps", probe_steps, 1), ("calibration_steps", calibration_steps, 2),
@@ -147,6 +169,12 @@ class LinkAware:
         if not (0 < float(sparsest) <= 1):
             raise ValueError(f"sparsest: expected a value in (0, 1], got {sparsest}")
         self.sparsest = float(sparsest)
+        if not isinstance(bf16, bool):
+            raise ValueError(f"bf16: expected True or False, got {bf16!r}")
+        if not (0 <= float(bf16_margin) < 1):
+            raise ValueError(f"bf16_margin: expected a value in [0, 1), got {bf16_margin}")
+        self.bf16, self.bf16_margin = bf16, float(bf16_margin)
+        self.half = False                   # the chosen all-reduce goes in bfloat16
         self.scalable = False               # the compression has a density to lower (set by the sharing core)
         self.scale = 1.0                    # the chosen fraction of the compression's density
         if not isinstance(probe, bool):
@@ -163,11 +191,12 @@ class LinkAware:
         self.steady_ratio = 0.0
         self.seconds: Dict[str, Optional[float]] = {ALLREDUCE: None, COMPRESSED: None}   # agreed medians
         self.sparsest_seconds: Optional[float] = None     # the agreed step at ``sparsest`` times the density
+        self.half_seconds: Optional[float] = None         # the agreed step all-reducing in bfloat16
         self.decisions = 0
         self.estimated = False              # seconds[ALLREDUCE] is the link probe's bound, not a measurement
-        self._samples: Dict[str, Deque[float]] = {m: deque(maxlen=16) for m in (ALLREDUCE, COMPRESSED, SPARSE, FULL)}
+        self._samples: Dict[str, Deque[float]] = {m: deque(maxlen=16) for m in LABELS}
         # This rank's last first step of each choice after the other (untimed: a switch's own cost; 0: none yet)
-        self._first: Dict[str, float] = {ALLREDUCE: 0.0, COMPRESSED: 0.0, SPARSE: 0.0, FULL: 0.0}
+        self._first: Dict[str, float] = {m: 0.0 for m in LABELS}
         self._decided_at = 0                # the step of the last decision
         self._quiet_until = 0               # no measurement triggered by the all-reduce's time before this step
         self._last_end: Optional[float] = None
@@ -184,20 +213,27 @@ class LinkAware:
     # ------------------------------------------------------------------------------------ the step
     @property
     def _label(self) -> str:
-        """This step's place in the plan: ALLREDUCE, COMPRESSED, or a density measurement's SPARSE and FULL."""
+        """This step's place in the plan: ALLREDUCE, COMPRESSED, a density measurement's SPARSE and FULL, or a
+        precision measurement's HALF and FLOAT32."""
         return self.plan[0] if self.plan else self.choice  # type: ignore[return-value]
 
     @property
     def mode(self) -> str:
         """What this step does: ALLREDUCE or COMPRESSED."""
         label = self._label
-        return COMPRESSED if label in (SPARSE, FULL) else label
+        return COMPRESSED if label in (SPARSE, FULL) else ALLREDUCE if label in (HALF, FLOAT32) else label
 
     @property
     def density_scale(self) -> float:
         """The fraction of the compression's density this step sends (1 on all-reduce steps)."""
         label = self._label
         return {SPARSE: self.sparsest, COMPRESSED: self.scale}.get(label, 1.0)
+
+    @property
+    def allreduce_precision(self) -> str:
+        """What this step's all-reduce sends: "bfloat16" or "float32" (also on compressed steps, which send none)."""
+        label = self._label
+        return "bfloat16" if label == HALF or (label == ALLREDUCE and not self.plan and self.half) else "float32"
 
     def exchange_ready(self) -> None:
         """Called when this step's exchange could first start (the first call of a step counts): the work
@@ -243,6 +279,8 @@ class LinkAware:
                 agreed = agreed or self._agree(agree)
                 if mode == FULL:
                     self._choose_scale(agreed)
+                elif mode == FLOAT32:
+                    self._choose_precision(agreed)
                 elif mode == COMPRESSED and not self._samples[ALLREDUCE]:    # the start, or a resumed run's
                     self._measure(ALLREDUCE, self.calibration_steps, agreed, bound)
                 else:
@@ -294,11 +332,10 @@ class LinkAware:
 
     def _agree(self, agree: Callable[[List[float]], List[float]]) -> Dict[str, float]:
         ready = statistics.median_low(self._ready) if self._ready else 0.0
-        t_all, t_comp, t_sparse, t_full, first_all, first_comp, ready = agree(
-            [self._median(ALLREDUCE), self._median(COMPRESSED), self._median(SPARSE), self._median(FULL),
-             self._first[ALLREDUCE], self._first[COMPRESSED], ready])
-        return {ALLREDUCE: t_all, COMPRESSED: t_comp, SPARSE: t_sparse, FULL: t_full,
-                "first": {ALLREDUCE: first_all, COMPRESSED: first_comp}, "ready": ready}
+        values = agree([self._median(m) for m in LABELS] + [self._first[ALLREDUCE], self._first[COMPRESSED], ready])
+        agreed: Dict[str, Any] = dict(zip(LABELS, values))
+        agreed.update(first={ALLREDUCE: values[-3], COMPRESSED: values[-2]}, ready=values[-1])
+        return agreed
 
     def _decide(self, agreed: Dict[str, Any], estimated: bool = False) -> None:
         t_all, t_comp = agreed[ALLREDUCE], agreed[COMPRESSED]
@@ -310,14 +347,18 @@ class LinkAware:
         self._decided_at = self.steps
         self._quiet_until = self.steps + self.min_interval
         self._schedule(agreed)
-        if choice == COMPRESSED and previous != COMPRESSED and self.scalable and self.sparsest < 1:
-            # How much to send: a few steps at the sparsest density, then at the full one (module docstring).
-            self._samples[SPARSE].clear()
-            self._samples[FULL].clear()
-            self.plan.extend([SPARSE] * (self.probe_steps + 1) + [FULL] * (self.probe_steps + 1))
-            self.probing = SPARSE
-        elif choice == ALLREDUCE:
+        if choice == ALLREDUCE:
             self.scale = 1.0
+        else:
+            self.half = False
+        if previous != choice and (self.scalable and self.sparsest < 1 if choice == COMPRESSED else self.bf16):
+            # How much to send: a few steps at the sparsest density (in bfloat16), then at the full one (in
+            # float32; module docstring).
+            low, full = REFINE[choice]
+            self._samples[low].clear()
+            self._samples[full].clear()
+            self.plan.extend([low] * (self.probe_steps + 1) + [full] * (self.probe_steps + 1))
+            self.probing = low
 
     def _choose_scale(self, agreed: Dict[str, Any]) -> None:
         """The density after a measurement at ``sparsest`` (module docstring): the step's time taken as linear
@@ -334,6 +375,18 @@ class LinkAware:
         self.scale = min(1.0, low + self.margin * t_low / per_scale)
         self.seconds[COMPRESSED] = t_low + per_scale * (self.scale - low)
         self._samples[COMPRESSED].clear()                     # they were at another density
+
+    def _choose_precision(self, agreed: Dict[str, Any]) -> None:
+        """The all-reduce's precision after a measurement in bfloat16 (module docstring): bfloat16 where its step
+        is faster than float32's by more than ``bf16_margin``."""
+        t_full, t_half = agreed[FLOAT32], agreed[HALF]
+        self.half_seconds = t_half
+        self.probing = None
+        self.half = math.isfinite(t_half) and math.isfinite(t_full) and t_half * (1 + self.bf16_margin) < t_full
+        chosen = t_half if self.half else t_full
+        if math.isfinite(chosen):
+            self.seconds[ALLREDUCE] = chosen
+        self._samples[ALLREDUCE].clear()                      # in the other precision, or before it
 
     def _schedule(self, agreed: Dict[str, float]) -> None:
         """When to measure the slower choice again. Against staying on the faster one, a measurement costs its
@@ -380,7 +433,8 @@ class LinkAware:
         return {"choice": self.choice, "mode": self.mode, "allreduce_step_s": self.seconds[ALLREDUCE],
                 "allreduce_estimated": self.estimated,
                 "compressed_step_s": self.seconds[COMPRESSED], "sparsest_step_s": self.sparsest_seconds,
-                "density_scale": self.scale, "decisions": self.decisions,
+                "density_scale": self.scale, "bf16_step_s": self.half_seconds,
+                "allreduce_precision": "bfloat16" if self.half else "float32", "decisions": self.decisions,
                 "next_probe": self.next_probe}
 
     def config(self) -> Dict[str, Any]:
@@ -389,24 +443,30 @@ class LinkAware:
                 "min_interval": self.min_interval, "max_interval": self.max_interval,
                 "calibration_steps": self.calibration_steps, "clear_loss": self.clear_loss,
                 "check_every": self.check_every, "min_seconds": self.min_seconds, "probe": self.probe,
-                "sparsest": self.sparsest}
+                "sparsest": self.sparsest, "bf16": self.bf16, "bf16_margin": self.bf16_margin}
 
     def state_dict(self) -> Dict[str, Any]:
         return {"steps": self.steps, "choice": self.choice, "plan": list(self.plan), "next_probe": self.next_probe,
                 "seconds": dict(self.seconds), "decisions": self.decisions, "estimated": self.estimated,
-                "scale": self.scale, "sparsest_seconds": self.sparsest_seconds}
+                "scale": self.scale, "sparsest_seconds": self.sparsest_seconds, "half": self.half,
+                "half_seconds": self.half_seconds}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         plan = list(state["plan"])
-        if any(m not in (ALLREDUCE, COMPRESSED, SPARSE, FULL) for m in plan) or state["choice"] not in (None, ALLREDUCE, COMPRESSED):
+        if any(m not in LABELS for m in plan) or state["choice"] not in (None, ALLREDUCE, COMPRESSED):
             raise ValueError(f"load_state_dict: not a link-aware state: {state!r}")
         if not plan and state["choice"] is None:
             raise ValueError("load_state_dict: a link-aware state with neither a plan nor a choice")
         self.steps, self.choice = int(state["steps"]), state["choice"]
         # Timings from another process say nothing about this one: a measurement under way starts over, and
-        # the next one waits until this process has timed its current choice.
+        # the next one waits until this process has timed its current choice. One of how much the choice made
+        # sends (density, precision) goes on with the steps it had left, timed afresh: the choice stands, and the
+        # steps take the same paths as they would have without the restart.
         self.plan, self.probing = deque(), None
-        if plan:
+        refining = {label for pair in REFINE.values() for label in pair}
+        if plan and state["choice"] is not None and all(m in refining for m in plan):
+            self.plan, self.probing = deque(plan), plan[0]
+        elif plan:
             self._calibrate()
         self.next_probe = None if state["next_probe"] is None else max(int(state["next_probe"]),
                                                                          self.steps + self.min_interval)
@@ -416,11 +476,13 @@ class LinkAware:
         if not (0 < scale <= 1):
             raise ValueError(f"load_state_dict: a link-aware state with density scale {scale!r}, not in (0, 1]")
         self.scale = scale
+        self.half = bool(state.get("half", False)) and self.bf16 and self.choice == ALLREDUCE
+        self.half_seconds = state.get("half_seconds")
         self.decisions = int(state["decisions"])
         self.estimated = bool(state.get("estimated", False))
         for samples in self._samples.values():
             samples.clear()
-        self._first = {ALLREDUCE: 0.0, COMPRESSED: 0.0, SPARSE: 0.0, FULL: 0.0}
+        self._first = {m: 0.0 for m in LABELS}
         self._decided_at, self._quiet_until = self.steps, self.steps + self.min_interval
         self._last_end = self._last_mode = None
         self._ready.clear()

@@ -71,7 +71,7 @@ from gradshare import comm, momentum_masking as masking, optimizer_state, second
 from gradshare.comm import ExchangeResult, NonFiniteStepError, exchange_async
 from gradshare.compression import Compression, Dense, as_compression, for_optimizer
 from gradshare.costmodel import Link, ring_allreduce_bytes
-from gradshare.link import ALLREDUCE, MODEL_MARGIN, LinkAware
+from gradshare.link import ALLREDUCE, ALLREDUCE_BF16, MODEL_MARGIN, LinkAware
 from gradshare.stats import Statistics, StepRecord, residual_norm
 
 NONFINITE = ("raise", "skip")
@@ -461,6 +461,7 @@ class Sharing:
         # Optimizer states known equal on every rank (link-aware all-reduce steps); None: nothing has run yet.
         self._consistent: Optional[bool] = None
         self._sync_bytes = 0
+        self._roundings: Dict[str, torch.Tensor] = {}   # the bfloat16 all-reduce's rounding errors (rounding)
 
     # ------------------------------------------------------------------------------------------ buckets
     @property
@@ -983,9 +984,23 @@ class Sharing:
 
     # ------------------------------------------------------------- link-aware steps (gradshare.link)
     def allreduce_now(self) -> bool:
-        """Whether this step averages gradients by a float32 all-reduce (the link-aware choice) instead of
-        sharing the optimizer's update compressed. The same on every rank."""
+        """Whether this step averages gradients by an all-reduce (the link-aware choice) instead of sharing the
+        optimizer's update compressed. The same on every rank."""
         return self.link is not None and self.link.mode == ALLREDUCE
+
+    def rounding(self, key: str, n: int, device: torch.device) -> torch.Tensor:
+        """This rank's rounding error of the bfloat16 all-reduce of ``key`` (a bucket of this core's, or one of
+        DDP's), float32, ``n`` elements: zeros at first (or where the bucket changed size), then what the last
+        message's rounding left out (gradshare.comm.round_bf16); checkpointed."""
+        r = self._roundings.get(key)
+        if r is None or r.numel() != n or r.device != torch.device(device):
+            r = self._roundings[key] = torch.zeros(n, dtype=torch.float32, device=device)
+        return r
+
+    def allreduce_bf16(self) -> bool:
+        """Whether this step's all-reduce goes in bfloat16 with error feedback (gradshare.link's precision
+        choice; :func:`gradshare.comm.round_bf16`) rather than float32. The same on every rank."""
+        return self.allreduce_now() and self.link.allreduce_precision == "bfloat16"
 
     def exchange_ready(self) -> None:
         """The front's mark of where this step's exchange could first start (gradshare.link: the work before it
@@ -1029,18 +1044,30 @@ class Sharing:
 
     def allreduce_gradients(self) -> bool:
         """Every bucket's gradients replaced by their mean over the ranks (one float32 all-reduce each, all in
-        flight together). A non-finite mean (the same on every rank) raises NonFiniteStepError everywhere
+        flight together; bfloat16 with error feedback where the link chose it, :meth:`allreduce_bf16`). A non-finite mean (the same on every rank) raises NonFiniteStepError everywhere
         or, with nonfinite="skip", skips the step (False)."""
         self.agree_all()
         world = self.world_size
-        works = []
+        half = self.allreduce_bf16()
+        works, messages = [], []
         for b in self.buckets:                  # each parameter's has-a-gradient flag rides along (buffer)
             b.gather_grads(b.flat)
             b.buffer[b.n:].copy_(b.grads_present())
-            works.append(dist.all_reduce(b.buffer, group=self.process_group, async_op=True))
+            if half:                            # the mean's share and the last rounding error, in bfloat16
+                rounding = self.rounding(f"bucket {b.index}", b.n, b.device)
+                message = torch.cat([comm.round_bf16(b.flat, rounding, 1.0 / world),
+                                     b.buffer[b.n:].to(torch.bfloat16)])
+                messages.append(message)
+                works.append(dist.all_reduce(message, group=self.process_group, async_op=True))
+            else:
+                works.append(dist.all_reduce(b.buffer, group=self.process_group, async_op=True))
         bad = []
-        for b, w in zip(self.buckets, works):   # the sum scaled to the mean in the pass that checks it
+        for i, (b, w) in enumerate(zip(self.buckets, works)):   # the sum scaled to the mean in the pass that checks it
             w.wait()
+            if half:
+                b.buffer.copy_(messages[i])
+                bad.append(comm.any_nonfinite([b.flat]))
+                continue
             bad.append(comm.scale_nonfinite(b.flat, 1.0 / world))
         for b in self.buckets:
             b.set_grads(b.flat, (b.buffer[b.n:] > 0).tolist())
@@ -1124,11 +1151,12 @@ class Sharing:
         """Records a completed all-reduce step (one record per bucket, format "allreduce")."""
         world = self.world_size
         extra, self._sync_bytes = self._sync_bytes, 0
+        half = self.allreduce_bf16()
         for b in self.buckets:
-            sent = ring_allreduce_bytes(world, b.buffer.numel()) + extra
+            sent = ring_allreduce_bytes(world, b.buffer.numel(), 2 if half else 4) + extra
             extra = 0
             self.stats.add(StepRecord(step=self.step, bucket=b.index, n=b.n, tau=float("nan"), count=b.n,
-                                      density=1.0, format=ALLREDUCE, bytes_sent=sent,
+                                      density=1.0, format=ALLREDUCE_BF16 if half else ALLREDUCE, bytes_sent=sent,
                                       dense_bytes=ring_allreduce_bytes(world, b.n)))
         self.step += 1
         self.stats.end_step()
@@ -1216,7 +1244,8 @@ class Sharing:
                 "starts": ([None if not b.start_held else b.snapshot.detach().cpu().clone() for b in self.buckets]
                            if self.own_models else None),
                 "states equal": self._consistent, "delay": self.delay, "late mean": late,
-                "mean gradient": self.rescale.state_dict()}
+                "mean gradient": self.rescale.state_dict(),
+                "rounding": {k: r.detach().cpu().clone() for k, r in self._roundings.items()}}
 
     def _late_means(self) -> Optional[List[torch.Tensor]]:
         """delay=1: the last step's decoded means, waited for (a collective) and not applied yet; None when
@@ -1271,6 +1300,10 @@ class Sharing:
         if self.link is not None and state.get("link") is not None:
             self.link.load_state_dict(state["link"])
         self.rescale.load_state_dict(state.get("mean gradient"))
+        rounding = state.get("rounding") or {}
+        if not all(isinstance(k, str) and torch.is_tensor(r) and r.dim() == 1 for k, r in rounding.items()):
+            raise ValueError("load_state_dict: the bfloat16 all-reduce's rounding should map names to flat tensors")
+        self._roundings = {k: r.to(device=self.device, dtype=torch.float32).clone() for k, r in rounding.items()}
         # Whether the ranks' optimizer states were equal when this was saved (all-reduce steps keep them so).
         self._consistent = state.get("states equal", False)
         late = state.get("late mean")

@@ -117,8 +117,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", dest="compression", type=_compression_arg, action=argtypes.FormerName,
                    new="--compression")
     p.add_argument("--link", choices=["auto", "off"], default="auto",
-                   help="shared_gradients with --compression auto: auto measures the link and steps by a float32 "
-                        "all-reduce where compressing is slower; off compresses every step (runs repeat bit for bit)")
+                   help="shared_gradients with --compression auto: auto measures the link and steps by an all-reduce "
+                        "(float32, or bfloat16 where that is faster) where compressing is slower; off compresses every "
+                        "step (runs repeat bit for bit)")
     p.add_argument("--frequency", type=argtypes.integer(1), default=5, metavar="STEPS",
                    help="steps between averaging rounds (averaging, diloco, sparse_local)")
     p.add_argument("--averaging-frequency", dest="frequency", type=argtypes.integer(1), action=argtypes.FormerName,
@@ -435,9 +436,11 @@ def _run_and_report(args: argparse.Namespace, opts: Dict[str, Any], launch: Dict
         print(f"entries sent per exchange: {100 * sum(densities) / len(densities):.2f}% (mean over epochs)")
     formats = [s.get("format") for s in steps if s.get("format")]
     if opts["mode"] == "shared_gradients" and opts.get("link", "auto") == "auto" and formats:
-        n = sum(f == "allreduce" for f in formats)
-        print(f"link-aware: {n} of {len(formats)} steps by float32 all-reduce, {len(formats) - n} compressed "
-              "(chosen from measured step times; --link off compresses every step)")
+        n, half = sum(f == "allreduce" for f in formats), sum(f == "allreduce_bf16" for f in formats)
+        print(f"link-aware: {n} of {len(formats)} steps by float32 all-reduce, "
+              + (f"{half} by bfloat16 all-reduce, " if half else "")
+              + f"{len(formats) - n - half} compressed (chosen from measured step times; --link off compresses "
+              "every step)")
     if args.checkpoint_dir:
         print(f"checkpoints: {args.checkpoint_dir}")
     if args.metrics:
