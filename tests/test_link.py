@@ -304,7 +304,17 @@ def test_state_dict_round_trip_and_bad_arguments():
             LinkAware(**kw)
 
 
-class DensityClock(FakeClock):
+class PricedClock(FakeClock):
+    """FakeClock that prices each step from the link's state as it ends (:meth:`price`)."""
+
+    def __call__(self):
+        if sys._getframe(1).f_code.co_name == "exchange_ready":
+            return self.t
+        self.price()
+        return super().__call__()
+
+
+class DensityClock(PricedClock):
     """FakeClock whose compressed step costs ``fixed + per * density_scale`` seconds: a step that waits on the link
     for its message, which shrinks with the density (``per`` small: a step that waits on compute)."""
 
@@ -312,11 +322,8 @@ class DensityClock(FakeClock):
         super().__init__({ALLREDUCE: allreduce})
         self.fixed, self.per = fixed, per
 
-    def __call__(self):
-        if sys._getframe(1).f_code.co_name == "exchange_ready":
-            return self.t
+    def price(self):
         self.costs[COMPRESSED] = self.fixed + self.per * self.link.density_scale
-        return super().__call__()
 
 
 def _alone_scaled(allreduce, fixed, per, steps, scalable=True, **kw):
@@ -420,7 +427,7 @@ def test_the_ranks_send_the_chosen_density_together(front):
     assert min(kept) > max(sparse) and max(kept) < 0.4 * min(again)
 
 
-class PrecisionClock(FakeClock):
+class PrecisionClock(PricedClock):
     """FakeClock whose all-reduce step costs ``fixed + per`` seconds in float32 and ``fixed + per / 2`` in bfloat16
     (``per``: the link's share of it), a compressed step ``compressed``."""
 
@@ -428,12 +435,9 @@ class PrecisionClock(FakeClock):
         super().__init__({COMPRESSED: compressed})
         self.fixed, self.per = fixed, per
 
-    def __call__(self):
-        if sys._getframe(1).f_code.co_name == "exchange_ready":
-            return self.t
+    def price(self):
         half = self.link.allreduce_precision == "bfloat16"
         self.costs[ALLREDUCE] = self.fixed + self.per * (0.5 if half else 1.0)
-        return super().__call__()
 
 
 def _alone_precision(compressed, fixed, per, steps, **kw):
