@@ -668,7 +668,12 @@ def _updates_exchange(state: ThresholdState, bucket, buf: torch.Tensor) -> torch
         # Summed, then scaled in the pass that checks it (comm.scale_nonfinite); a half-precision bucket is
         # divided first, so that its sum cannot overflow.
         wide = buf.dtype in (torch.float32, torch.float64)
-        work = dist.all_reduce(buf if wide else buf.div_(world), group=state.process_group, async_op=True)
+        if not wide:
+            buf.div_(world)
+        pending = state.sharing.pending_rounding(f"ddp bucket {bucket.index()}", buf.numel())
+        if pending is not None:                    # what the last bfloat16 messages' rounding left out goes now
+            buf.reshape(-1).add_(pending, alpha=world if wide else 1)
+        work = dist.all_reduce(buf, group=state.process_group, async_op=True)
 
         def reduced(f) -> torch.Tensor:
             out = f.value()[0]

@@ -65,16 +65,18 @@ waits on compute, not the link) the full density stays. It is measured once each
 over the all-reduce, the same on every rank from the agreed times; ``density_scale`` is what the sharing core
 applies (gradshare.compression's ``scaled``).
 
-Once the all-reduce wins, its precision is measured the same way (``bf16``, the default): a few steps all-reducing
-the gradients in bfloat16, then a few in float32 again. Where the bfloat16 step is faster by more than
-``bf16_margin`` (5%: with error feedback it trained as float32 does, so the margin only guards against noise;
-README, "In what precision it all-reduces"), the
-all-reduce stays in bfloat16: half the bytes where the link still shows in the step (DDP's own fp16 hook was 1.14x
-as fast as its float32 all-reduce on the transformer LM at 1 Gbit/s), float32 where it does not (unshaped, the
-casts cost what the bytes save). Each rank rounds the mean's share of its gradient plus what its last rounding
-left out, and keeps the new rounding error for the next step: every rank applies the same bfloat16 sum (itself
-rounded once more, as DDP's fp16 hook's is), so replicas stay identical, and over steps nothing is lost to the
-rounding of what each rank sends (the error is in the sharing core's checkpoints).
+Once the all-reduce wins, its precision is measured too (``bf16``, the default): steps all-reducing the gradients
+in bfloat16 and in float32 take turns, one of each in every pair, so that a machine whose step times drift from
+one stretch of the run to the next (10-30% here) moves both alike; a switch of precision costs nothing of its own,
+so every step of the measurement is timed. The all-reduce stays in bfloat16 where its steps are faster
+(``bf16_margin``: 0, the faster of the two as measured side by side; with error feedback bfloat16 trained as
+float32 does, README, "In what precision it all-reduces", so a wrong choice costs only the difference that the
+noise hid): half the bytes where the link still shows in the step (DDP's own fp16 hook saved 4-7% of the
+transformer LM's step at 1 Gbit/s), float32 where it does not (the casts cost what the bytes save). Each rank
+rounds the mean's share of its gradient plus what its last rounding left out, and keeps the new rounding error
+for the next step: every rank applies the same bfloat16 sum (itself rounded once more, as DDP's fp16 hook's is),
+so replicas stay identical, and nothing is lost to the rounding of what each rank sends: the error is in the
+sharing core's checkpoints, and the next float32 all-reduce sends what is left of it.
 ``allreduce_precision`` is what the sharing core applies.
 
 Switching to the all-reduce makes the ranks' optimizer states and parameters consistent first: what the
@@ -95,6 +97,7 @@ SPARSE, FULL = "sparse", "full"    # a density measurement's steps: compressed a
 HALF, FLOAT32 = "bf16", "fp32"     # a precision measurement's steps: all-reduced in bfloat16, and in float32
 # The measurement that follows each choice, and the labels of its two stretches (the cheaper one first)
 REFINE = {COMPRESSED: (SPARSE, FULL), ALLREDUCE: (HALF, FLOAT32)}
+PRECISIONS = set(REFINE[ALLREDUCE])
 LABELS = (ALLREDUCE, COMPRESSED, SPARSE, FULL, HALF, FLOAT32)
 MODEL_MARGIN = 0.1      # the margin with what waits in each rank's model (module docstring)
 
@@ -131,7 +134,8 @@ class LinkAware:
             sends"); only a compression with a density to lower (``scalable``, set by the sharing core) is
             measured so.
         bf16: whether the all-reduce is measured in bfloat16 too, once chosen, and kept so where faster by more
-            than ``bf16_margin`` (module docstring).
+            than ``bf16_margin`` (module docstring); the measurement takes ``2 * probe_steps`` to 16 pairs of
+            steps, as many as cover ``min_seconds`` on each side.
         probe: whether the link probe's bound may rule the all-reduce out without a step of it (False: the
             all-reduce is measured at the start and at every look, whatever the probe would say; the steps
             taken then follow from the settings alone, e.g. with ``min_seconds=0``).
@@ -147,7 +151,7 @@ class LinkAware:
     def __init__(self, margin: float = 0.25, probe_steps: int = 4, overhead: float = 0.02,
                  min_interval: int = 50, max_interval: int = 5000, calibration_steps: int = 3,
                  clear_loss: float = 2.0, check_every: int = 10, min_seconds: float = 0.25,
-                 probe: bool = True, sparsest: float = 0.2, bf16: bool = True, bf16_margin: float = 0.05,
+                 probe: bool = True, sparsest: float = 0.2, bf16: bool = True, bf16_margin: float = 0.0,
                  clock: Callable[[], float] = time.perf_counter):
         if not (0 <= float(margin) < 1):
             raise ValueError(f"margin: expected a value in [0, 1), got {margin}")
@@ -253,7 +257,8 @@ class LinkAware:
             bound = None
         now = self.clock()
         mode = self._label
-        timed = self._last_end is not None and mode == self._last_mode   # the first step after a switch is not
+        # The first step after a switch is not timed; a switch of the all-reduce's precision is no switch
+        timed = self._last_end is not None and (mode == self._last_mode or {mode, self._last_mode} == PRECISIONS)
         returned = False
         ready, self._ready_in_step = self._ready_in_step, None
         if timed:
@@ -272,7 +277,7 @@ class LinkAware:
         elif self.plan:
             self.plan.popleft()
             agreed = None                           # the ranks' times, agreed at most once a step
-            if timed and (not self.plan or self.plan[0] != mode) and self._room(mode):
+            if timed and mode not in PRECISIONS and (not self.plan or self.plan[0] != mode) and self._room(mode):
                 agreed = self._agree(agree)
                 if agreed[mode] * len(self._samples[mode]) < self.min_seconds:
                     self.plan.appendleft(mode)      # too little measured yet: one more step of it
@@ -280,7 +285,7 @@ class LinkAware:
                 agreed = agreed or self._agree(agree)
                 if mode == FULL:
                     self._choose_scale(agreed)
-                elif mode == FLOAT32:
+                elif mode in PRECISIONS:
                     self._choose_precision(agreed)
                 elif mode == COMPRESSED and not self._samples[ALLREDUCE]:    # the start, or a resumed run's
                     self._measure(ALLREDUCE, self.calibration_steps, agreed, bound)
@@ -353,13 +358,22 @@ class LinkAware:
         else:
             self.half = False
         if previous != choice and (self.scalable and self.sparsest < 1 if choice == COMPRESSED else self.bf16):
-            # How much to send: a few steps at the sparsest density (in bfloat16), then at the full one (in
-            # float32; module docstring).
+            # How much to send: a few steps at the sparsest density, then at the full one; or the precision's
+            # steps in turns, bfloat16 first (its first step untimed), then float32 and bfloat16 (module docstring).
             low, full = REFINE[choice]
             self._samples[low].clear()
             self._samples[full].clear()
-            self.plan.extend([low] * (self.probe_steps + 1) + [full] * (self.probe_steps + 1))
+            if choice == COMPRESSED:
+                self.plan.extend([low] * (self.probe_steps + 1) + [full] * (self.probe_steps + 1))
+            else:
+                self.plan.extend([low] + [full, low] * self._pairs(t_all))
             self.probing = low
+
+    def _pairs(self, step: float) -> int:
+        """The pairs of steps a precision measurement takes: ``2 * probe_steps`` at least (a median of 8 steps
+        each), as many as time ``min_seconds`` of each precision at ``step`` seconds a step, 16 at most."""
+        cover = math.ceil(self.min_seconds / step) if math.isfinite(step) and step > 0 else 0
+        return max(1, min(16, max(2 * self.probe_steps, cover)))
 
     def _choose_scale(self, agreed: Dict[str, Any]) -> None:
         """The density after a measurement at ``sparsest`` (module docstring): the step's time taken as linear
@@ -378,8 +392,8 @@ class LinkAware:
         self._samples[COMPRESSED].clear()                     # they were at another density
 
     def _choose_precision(self, agreed: Dict[str, Any]) -> None:
-        """The all-reduce's precision after a measurement in bfloat16 (module docstring): bfloat16 where its step
-        is faster than float32's by more than ``bf16_margin``."""
+        """The all-reduce's precision after its steps in turns (module docstring): bfloat16 where its step is
+        faster than float32's by more than ``bf16_margin``."""
         t_full, t_half = agreed[FLOAT32], agreed[HALF]
         self.half_seconds = t_half
         self.probing = None

@@ -997,6 +997,13 @@ class Sharing:
             r = self._roundings[key] = torch.zeros(n, dtype=torch.float32, device=device)
         return r
 
+    def pending_rounding(self, key: str, n: int) -> Optional[torch.Tensor]:
+        """What the bfloat16 all-reduce of ``key`` last left out (:meth:`rounding`), taken to be sent by a float32
+        all-reduce of it now (in units of the mean, as kept), or None where nothing waits. Taken, it is gone: a
+        later bfloat16 message starts from zero."""
+        r = self._roundings.pop(key, None)
+        return r if r is not None and r.numel() == n else None
+
     def allreduce_bf16(self) -> bool:
         """Whether this step's all-reduce goes in bfloat16 with error feedback (gradshare.link's precision
         choice; :func:`gradshare.comm.round_bf16`) rather than float32. The same on every rank."""
@@ -1060,6 +1067,9 @@ class Sharing:
                 messages.append(message)
                 works.append(dist.all_reduce(message, group=self.process_group, async_op=True))
             else:
+                pending = self.pending_rounding(f"bucket {b.index}", b.n)
+                if pending is not None:         # the last bfloat16 messages' rounding goes out now (a sum here)
+                    b.flat.add_(pending, alpha=world)
                 works.append(dist.all_reduce(b.buffer, group=self.process_group, async_op=True))
         bad = []
         for i, (b, w) in enumerate(zip(self.buckets, works)):   # the sum scaled to the mean in the pass that checks it
