@@ -370,10 +370,10 @@ class LinkAware:
             self.probing = low
 
     def _pairs(self, step: float) -> int:
-        """The pairs of steps a precision measurement takes: ``2 * probe_steps`` at least (a median of 8 steps
-        each), as many as time ``min_seconds`` of each precision at ``step`` seconds a step, 16 at most."""
+        """The pairs of steps a precision measurement takes: ``2 * probe_steps`` at least, as many as time
+        ``min_seconds`` of each precision at ``step`` seconds a step, 16 at most (the samples each side keeps)."""
         cover = math.ceil(self.min_seconds / step) if math.isfinite(step) and step > 0 else 0
-        return max(1, min(16, max(2 * self.probe_steps, cover)))
+        return min(16, max(2 * self.probe_steps, cover))
 
     def _choose_scale(self, agreed: Dict[str, Any]) -> None:
         """The density after a measurement at ``sparsest`` (module docstring): the step's time taken as linear
