@@ -316,18 +316,21 @@ class PricedClock(FakeClock):
 
 class DensityClock(PricedClock):
     """FakeClock whose compressed step costs ``fixed + per * density_scale`` seconds: a step that waits on the link
-    for its message, which shrinks with the density (``per`` small: a step that waits on compute)."""
+    for its message, which shrinks with the density (``per`` small: a step that waits on compute); every cost grows
+    by ``drift`` of itself a step (a machine that slows down as the run goes on)."""
 
-    def __init__(self, allreduce, fixed, per):
+    def __init__(self, allreduce, fixed, per, drift=0.0):
         super().__init__({ALLREDUCE: allreduce})
-        self.fixed, self.per = fixed, per
+        self.fixed, self.per, self.drift, self.allreduce = fixed, per, drift, allreduce
 
     def price(self):
-        self.costs[COMPRESSED] = self.fixed + self.per * self.link.density_scale
+        slower = 1 + self.drift * self.link.steps
+        self.costs[COMPRESSED] = slower * (self.fixed + self.per * self.link.density_scale)
+        self.costs[ALLREDUCE] = slower * self.allreduce
 
 
-def _alone_scaled(allreduce, fixed, per, steps, scalable=True, **kw):
-    clock = DensityClock(allreduce, fixed, per)
+def _alone_scaled(allreduce, fixed, per, steps, scalable=True, drift=0.0, **kw):
+    clock = DensityClock(allreduce, fixed, per, drift)
     link = LinkAware(clock=clock, **dict(dict(sparsest=0.2), **kw))
     link.scalable = scalable
     clock.link = link
@@ -342,12 +345,12 @@ def _alone_scaled(allreduce, fixed, per, steps, scalable=True, **kw):
 def test_a_step_that_waits_on_the_link_sends_what_fits_in_the_time():
     # 10 s at the full density, 3.6 s at a fifth of it: the step waits on the link. The density kept is the
     # largest whose step is within the margin (25%) of the sparsest's: 0.2 + 0.25 * 3.6 / 8 = 0.3125 of it.
-    # The sparsest is timed first, then the full density again (both in the same stretch of the run).
-    link, modes, scales = _alone_scaled(100.0, 2.0, 8.0, 25)
-    assert modes == [COMPRESSED] * 5 + [ALLREDUCE] * 3 + [COMPRESSED] * 17     # the all-reduce: a clear loser
+    # The sparsest and the full density take turns: one step at the sparsest (untimed), then 8 pairs.
+    link, modes, scales = _alone_scaled(100.0, 2.0, 8.0, 32)
+    assert modes == [COMPRESSED] * 5 + [ALLREDUCE] * 3 + [COMPRESSED] * 24     # the all-reduce: a clear loser
     scales = [round(x, 9) for x in scales]
-    assert scales[:8] == [1.0] * 8 and scales[8:13] == [0.2] * 5 and scales[13:18] == [1.0] * 5
-    assert scales[18:] == [0.3125] * 7
+    assert scales[:8] == [1.0] * 8 and scales[8:25] == [0.2] + [1.0, 0.2] * 8
+    assert scales[25:] == [0.3125] * 7
     assert link.scale == pytest.approx(0.3125) and link.sparsest_seconds == pytest.approx(3.6)
     assert link.seconds[COMPRESSED] == pytest.approx(3.6 * 1.25)
     assert link.summary()["density_scale"] == link.scale
@@ -360,7 +363,7 @@ def test_a_step_that_waits_on_the_link_sends_what_fits_in_the_time():
     assert link.decisions == 2 and link.choice == COMPRESSED
     assert more == [(COMPRESSED, 0.3125)] + [(ALLREDUCE, 1.0)] * 3 + [(COMPRESSED, 0.3125)] * 8
     # Had the all-reduce won, its steps send everything and the density starts over at the full one.
-    link.clock.costs[ALLREDUCE], link.next_probe = 1.0, link.steps
+    link.clock.allreduce, link.next_probe = 1.0, link.steps
     for _ in range(8):
         link.step_ended(lambda values: values)
     assert link.choice == ALLREDUCE and link.scale == 1.0 and link.density_scale == 1.0
@@ -372,11 +375,27 @@ def test_a_step_that_waits_on_the_link_sends_what_fits_in_the_time():
     (2.0, 8.0, True, 1.0),       # sparsest=1: never lowered
 ])
 def test_the_full_density_stays_where_the_link_does_not_hold_the_step(fixed, per, scalable, sparsest):
-    link, modes, scales = _alone_scaled(100.0, fixed, per, 25, scalable=scalable, sparsest=sparsest)
+    link, modes, scales = _alone_scaled(100.0, fixed, per, 30, scalable=scalable, sparsest=sparsest)
     assert link.choice == COMPRESSED and link.scale == 1.0 and scales[-1] == 1.0
-    sparse_steps = 5 if scalable and sparsest < 1 else 0
-    assert scales[8:8 + sparse_steps] == [0.2] * sparse_steps and scales[8 + sparse_steps:] == [1.0] * (17 - sparse_steps)
+    turns = [0.2] + [1.0, 0.2] * 8 if scalable and sparsest < 1 else []
+    assert [round(x, 9) for x in scales[8:]] == turns + [1.0] * (22 - len(turns))
     assert len(link.plan) == 0 and link.seconds[COMPRESSED] == pytest.approx(fixed + per)
+
+
+def test_the_densities_take_turns_so_a_drifting_machine_moves_both_alike():
+    # a step that waits on compute (9.2 s at the sparsest against 10 s at the full density, within the 25% margin)
+    # on a machine whose steps get slower by 5% of the first's every step. Timed in two stretches (the sparsest's
+    # 5 steps first), the drift between them makes the full density look more than the margin slower and lowers
+    # it (to 0.95 of it); in turns the full density stays.
+    link, modes, scales = _alone_scaled(100.0, 9.0, 1.0, 30, drift=0.05)
+    assert [round(x, 9) for x in scales[8:25]] == [0.2] + [1.0, 0.2] * 8
+    assert link.choice == COMPRESSED and link.scale == 1.0 and scales[25:] == [1.0] * 5
+    # as many pairs as cover min_seconds on each side (16 at most), as the precisions' turns
+    for kw, pairs in ((dict(min_seconds=120.0), 12), (dict(min_seconds=1000.0), 16),
+                      (dict(min_seconds=0.0, probe_steps=2), 4)):
+        link, modes, scales = _alone_scaled(1000.0, 9.0, 1.0, 80, **kw)
+        start = scales.index(0.2)
+        assert [round(x, 9) for x in scales[start:start + 2 * pairs + 2]] == [0.2] + [1.0, 0.2] * pairs + [1.0]
 
 
 def test_the_density_scale_is_checkpointed_and_checked():
@@ -390,6 +409,18 @@ def test_the_density_scale_is_checkpointed_and_checked():
     for sparsest in (0.0, 1.5):
         with pytest.raises(ValueError, match="sparsest"):
             LinkAware(sparsest=sparsest)
+    # checkpointed inside the turns (8 steps calibrating, 7 of the turns): they go on, timed afresh, then the density
+    link, _, _ = _alone_scaled(100.0, 2.0, 8.0, 15)
+    assert len(link.plan) == 10 and link.plan[0] == "full"
+    clock = DensityClock(100.0, 2.0, 8.0)
+    again = LinkAware(clock=clock, sparsest=0.2)
+    again.scalable, clock.link = True, again
+    again.load_state_dict(link.state_dict())
+    rest = []
+    for _ in range(12):
+        rest.append(round(again.density_scale, 9))
+        again.step_ended(lambda values: values)
+    assert rest == [1.0, 0.2] * 5 + [0.3125] * 2 and again.scale == pytest.approx(0.3125)
     sparser = TopK(0.05, values="sign").scaled(0.2)
     assert sparser.density == pytest.approx(0.01) and sparser.warmup_density == pytest.approx(1 / 16 * 0.2)
     assert (sparser.values, sparser.chunk, sparser.warmup_steps) == ("sign", TopK().chunk, 100)
@@ -405,7 +436,7 @@ def _scaled_density(front):
     clock.link = sh.link
     sh.link.clock = clock
     modes = []
-    _train(net, opt, 26, modes=modes, sharing=sh)
+    _train(net, opt, 32, modes=modes, sharing=sh)
     verify_replicas(model)
     counts = {}
     for rec in sh.stats.history:
@@ -420,8 +451,9 @@ def test_the_ranks_send_the_chosen_density_together(front):
     assert a["scalable"] and a["scale"] == b["scale"] == pytest.approx(0.3125)
     assert a["modes"] == b["modes"] and np.array_equal(a["params"], b["params"])
     counts = a["counts"]
-    assert len(counts) == 26 and "allreduce" in a["formats"]
-    full, sparse, again, kept = counts[1:5], counts[8:13], counts[13:18], counts[18:]
+    assert len(counts) == 32 and "allreduce" in a["formats"]
+    # the turns: steps 8, 10, ..., 24 at the sparsest, 9, ..., 23 at the full density; the chosen one from 25
+    full, sparse, again, kept = counts[1:5], counts[8:25:2], counts[9:25:2], counts[25:]
     # TopK's warm-up lowers the density a little from step to step; a fifth and about 0.31 of it beside that.
     assert max(sparse) < 0.3 * min(full) and min(again) > 0.9 * min(full)
     assert min(kept) > max(sparse) and max(kept) < 0.4 * min(again)
@@ -564,6 +596,17 @@ def test_the_bfloat16_message_keeps_what_its_rounding_left_out():
     m = round_bf16(x, rounding, 1.0)
     assert torch.isnan(m[1]) and m[2] == float("inf") and m[3] == -float("inf")
     assert torch.equal(rounding, torch.zeros(4))                 # no NaN kept for later steps
+    # written into a part of a larger message, bit for bit what the plain formula gives, nothing else touched
+    x, r0 = torch.randn(1000, generator=g), torch.randn(1000, generator=g) * 1e-3
+    v = x * 0.25 + r0
+    expected = v.to(torch.bfloat16)
+    rounding, message = r0.clone(), torch.full((1003,), 7.0, dtype=torch.bfloat16)
+    assert round_bf16(x, rounding, 0.25, out=message[:1000]).data_ptr() == message.data_ptr()
+    assert torch.equal(message[:1000], expected) and torch.equal(message[1000:], torch.full((3,), 7.0, dtype=torch.bfloat16))
+    assert torch.equal(rounding, v - expected.float())
+    for bad in (torch.empty(999, dtype=torch.bfloat16), torch.empty(1000)):
+        with pytest.raises(ValueError, match="bfloat16 tensor of 1000"):
+            round_bf16(x, rounding, 0.25, out=bad)
 
 
 def _bf16_allreduce(front):

@@ -404,15 +404,23 @@ def scale_nonfinite(t: torch.Tensor, scale: float) -> torch.Tensor:
     return any_nonfinite([t.mul_(scale)])
 
 
-def round_bf16(flat: torch.Tensor, rounding: torch.Tensor, scale: float) -> torch.Tensor:
+def round_bf16(flat: torch.Tensor, rounding: torch.Tensor, scale: float,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The message of a bfloat16 all-reduce with error feedback (gradshare.link): ``flat * scale + rounding``
-    rounded to bfloat16 (returned), and ``rounding`` (float32, ``flat``'s size) set to what the rounding left out,
-    for the next step's message: over steps every rank sends what it has, nothing is lost to the rounding. Where
-    a value is not finite, its NaN or Inf goes out in the message (the mean shows it, and the step is dropped or
-    raises as any other) and its rounding is 0: none is kept for later steps."""
-    v = torch.add(rounding, flat, alpha=scale)
-    message = v.to(torch.bfloat16)
-    torch.sub(v, message.float(), out=rounding)
+    rounded to bfloat16 (returned; written into ``out``, a bfloat16 tensor of ``flat``'s size, where given, so that
+    a message with more in it needs no copy), and ``rounding`` (float32, ``flat``'s size) set to what the rounding
+    left out, for the next step's message: over steps every rank sends what it has, nothing is lost to the
+    rounding. Three passes, no temporary: the sum is formed in ``rounding`` itself. Where a value is not finite,
+    its NaN or Inf goes out in the message (the mean shows it, and the step is dropped or raises as any other)
+    and its rounding is 0: none is kept for later steps."""
+    message = torch.empty(flat.shape, dtype=torch.bfloat16, device=flat.device) if out is None else out
+    if message.dtype != torch.bfloat16 or message.numel() != flat.numel():
+        raise ValueError(f"round_bf16: out should be a bfloat16 tensor of {flat.numel()} elements, "
+                         f"got {message.dtype} of {message.numel()}")
+    v = rounding.view(flat.shape)
+    v.add_(flat, alpha=scale)
+    message.view(flat.shape).copy_(v)
+    v.sub_(message.view(flat.shape))               # float32 minus its bfloat16 rounding, computed in float32
     rounding.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     return message
 

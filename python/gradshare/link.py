@@ -54,10 +54,13 @@ steps, one about as fast every 50. Every rank takes the same decision at
 the same step, so replicas stay identical.
 
 Once compression wins, how much it sends is measured too, where the compression has a density to lower
-(TopK, the defaults): a few steps at ``sparsest`` times its density (the top 1% where it sends 5%), then a few at
-the full density again, so that both are timed in the same stretch of the run (steps timed at its start ran
-slower, and chose a lower density for a step that waits on compute). Where the step is faster by more than
-``margin`` at the sparsest, the step waits on the link at the full density, and the density
+(TopK, the defaults): steps at ``sparsest`` times its density (the top 1% where it sends 5%) and at the full
+density take turns, one of each in every pair, as the all-reduce's precisions do (below), so that a machine whose
+step times drift moves both alike (timed in two stretches, steps at the run's start ran slower and chose a lower
+density for a step that waits on compute); a change of density is no switch (the same path, a shorter message),
+so every step of the turns is timed, and a step at the sparsest sends less only for now (what it leaves waits as
+any other part not sent). Where the step is faster by more than ``margin`` at the sparsest, the step waits on
+the link at the full density, and the density
 is set as high as the link carries within ``margin`` of the sparser step: the step's time taken as linear in
 the density between the two measured (the exchange's bytes are), the largest density whose step is at most
 ``margin`` slower than the sparsest's; as much information as fits in the time, no more. Elsewhere (the step
@@ -95,9 +98,11 @@ ALLREDUCE, COMPRESSED = "allreduce", "compressed"
 ALLREDUCE_BF16 = "allreduce_bf16"  # the statistics' format of a step all-reduced in bfloat16
 SPARSE, FULL = "sparse", "full"    # a density measurement's steps: compressed at ``sparsest`` times the density, and at it
 HALF, FLOAT32 = "bf16", "fp32"     # a precision measurement's steps: all-reduced in bfloat16, and in float32
-# The measurement that follows each choice, and the labels of its two stretches (the cheaper one first)
+# The measurement that follows each choice, and the labels of its two kinds of steps (the cheaper one first),
+# which take turns: a step of one after one of the other is on the same path (no switch) and is timed
 REFINE = {COMPRESSED: (SPARSE, FULL), ALLREDUCE: (HALF, FLOAT32)}
-PRECISIONS = set(REFINE[ALLREDUCE])
+REFINING = {label for pair in REFINE.values() for label in pair}
+TURNS = [set(pair) for pair in REFINE.values()]
 LABELS = (ALLREDUCE, COMPRESSED, SPARSE, FULL, HALF, FLOAT32)
 MODEL_MARGIN = 0.1      # the margin with what waits in each rank's model (module docstring)
 
@@ -132,7 +137,7 @@ class LinkAware:
             (module docstring; 1: the density is never lowered). The default 0.2 tries the top 1% where the
             defaults send 5%, which trained as well as DDP in the README's quality table (README, "How much it
             sends"); only a compression with a density to lower (``scalable``, set by the sharing core) is
-            measured so.
+            measured so, in ``2 * probe_steps`` to 16 pairs of steps as the precisions (``bf16``).
         bf16: whether the all-reduce is measured in bfloat16 too, once chosen, and kept so where faster by more
             than ``bf16_margin`` (module docstring); the measurement takes ``2 * probe_steps`` to 16 pairs of
             steps, as many as cover ``min_seconds`` on each side.
@@ -257,8 +262,9 @@ class LinkAware:
             bound = None
         now = self.clock()
         mode = self._label
-        # The first step after a switch is not timed; a switch of the all-reduce's precision is no switch
-        timed = self._last_end is not None and (mode == self._last_mode or {mode, self._last_mode} == PRECISIONS)
+        # The first step after a switch is not timed; one between the turns of a density's or a precision's
+        # measurement is no switch
+        timed = self._last_end is not None and (mode == self._last_mode or {mode, self._last_mode} in TURNS)
         returned = False
         ready, self._ready_in_step = self._ready_in_step, None
         if timed:
@@ -277,15 +283,15 @@ class LinkAware:
         elif self.plan:
             self.plan.popleft()
             agreed = None                           # the ranks' times, agreed at most once a step
-            if timed and mode not in PRECISIONS and (not self.plan or self.plan[0] != mode) and self._room(mode):
+            if timed and mode not in REFINING and (not self.plan or self.plan[0] != mode) and self._room(mode):
                 agreed = self._agree(agree)
                 if agreed[mode] * len(self._samples[mode]) < self.min_seconds:
                     self.plan.appendleft(mode)      # too little measured yet: one more step of it
             if not self.plan:
                 agreed = agreed or self._agree(agree)
-                if mode == FULL:
+                if mode in REFINE[COMPRESSED]:
                     self._choose_scale(agreed)
-                elif mode in PRECISIONS:
+                elif mode in REFINE[ALLREDUCE]:
                     self._choose_precision(agreed)
                 elif mode == COMPRESSED and not self._samples[ALLREDUCE]:    # the start, or a resumed run's
                     self._measure(ALLREDUCE, self.calibration_steps, agreed, bound)
@@ -358,20 +364,18 @@ class LinkAware:
         else:
             self.half = False
         if previous != choice and (self.scalable and self.sparsest < 1 if choice == COMPRESSED else self.bf16):
-            # How much to send: a few steps at the sparsest density, then at the full one; or the precision's
-            # steps in turns, bfloat16 first (its first step untimed), then float32 and bfloat16 (module docstring).
+            # How much to send, at the sparsest density and the full one, or in bfloat16 and float32: steps of the
+            # two in turns, the cheaper first (untimed: the switch from the choice's last steps), then pairs of
+            # the other and it (module docstring).
             low, full = REFINE[choice]
             self._samples[low].clear()
             self._samples[full].clear()
-            if choice == COMPRESSED:
-                self.plan.extend([low] * (self.probe_steps + 1) + [full] * (self.probe_steps + 1))
-            else:
-                self.plan.extend([low] + [full, low] * self._pairs(t_all))
+            self.plan.extend([low] + [full, low] * self._pairs(t_comp if choice == COMPRESSED else t_all))
             self.probing = low
 
     def _pairs(self, step: float) -> int:
-        """The pairs of steps a precision measurement takes: ``2 * probe_steps`` at least, as many as time
-        ``min_seconds`` of each precision at ``step`` seconds a step, 16 at most (the samples each side keeps)."""
+        """The pairs of steps a density's or a precision's measurement takes: ``2 * probe_steps`` at least, as many
+        as time ``min_seconds`` of each side at ``step`` seconds a step, 16 at most (the samples each side keeps)."""
         cover = math.ceil(self.min_seconds / step) if math.isfinite(step) and step > 0 else 0
         return min(16, max(2 * self.probe_steps, cover))
 
@@ -478,8 +482,7 @@ class LinkAware:
         # sends (density, precision) goes on with the steps it had left, timed afresh: the choice stands, and the
         # steps take the same paths as they would have without the restart.
         self.plan, self.probing = deque(), None
-        refining = {label for pair in REFINE.values() for label in pair}
-        if plan and state["choice"] is not None and all(m in refining for m in plan):
+        if plan and state["choice"] is not None and all(m in REFINING for m in plan):
             self.plan, self.probing = deque(plan), plan[0]
         elif plan:
             self._calibrate()

@@ -1062,8 +1062,9 @@ class Sharing:
             b.buffer[b.n:].copy_(b.grads_present())
             if half:                            # the mean's share and the last rounding error, in bfloat16
                 rounding = self.rounding(f"bucket {b.index}", b.n, b.device)
-                message = torch.cat([comm.round_bf16(b.flat, rounding, 1.0 / world),
-                                     b.buffer[b.n:].to(torch.bfloat16)])
+                message = torch.empty(b.buffer.numel(), dtype=torch.bfloat16, device=b.buffer.device)
+                comm.round_bf16(b.flat, rounding, 1.0 / world, out=message[:b.n])
+                message[b.n:].copy_(b.buffer[b.n:])
                 messages.append(message)
                 works.append(dist.all_reduce(message, group=self.process_group, async_op=True))
             else:
