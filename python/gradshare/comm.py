@@ -410,7 +410,7 @@ def round_bf16(flat: torch.Tensor, rounding: torch.Tensor, scale: float,
     rounded to bfloat16 (returned; written into ``out``, a bfloat16 tensor of ``flat``'s size, where given, so that
     a message with more in it needs no copy), and ``rounding`` (float32, ``flat``'s size) set to what the rounding
     left out, for the next step's message: over steps every rank sends what it has, nothing is lost to the
-    rounding. Three passes, no temporary: the sum is formed in ``rounding`` itself. Where a value is not finite,
+    rounding. No temporary: the sum is formed in ``rounding`` itself, and rounded into the message. Where a value is not finite,
     its NaN or Inf goes out in the message (the mean shows it, and the step is dropped or raises as any other)
     and its rounding is 0: none is kept for later steps."""
     message = torch.empty(flat.shape, dtype=torch.bfloat16, device=flat.device) if out is None else out
