@@ -544,6 +544,10 @@ def main(argv=None) -> int:
     unknown = [w for w in a.workloads.split(",") if w not in e2e_worker.WORKLOADS]
     if unknown and not a.report:
         ap.error(f"unknown workload(s) {unknown}: choose from {', '.join(e2e_worker.WORKLOADS)}")
+    named = [c.strip() for c in a.contenders.split(",") if c.strip()]
+    twice = sorted({c for c in named if named.count(c) > 1})
+    if twice and not a.report:     # a second run would overwrite the first's rank files, its rows merged with them
+        ap.error(f"--contenders: {', '.join(twice)} given twice; repeat a run with --seeds instead")
     for c in a.contenders.split(","):
         try:
             e2e_worker.contender_name(c.strip()) if c.strip() and not a.report else None

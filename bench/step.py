@@ -10,7 +10,13 @@ all-reduce; the compressed probes they run from time to time fall outside the me
 bf16 values, no warm-up), a policy every gradshare version has, so that two versions can be compared: run the script once
 per version (``PYTHONPATH=<its python dir>``) and compare the ratios.
 
+``--rounds R`` times the contenders in turns, R rounds of ``--steps`` steps each (every contender built and warmed
+up first), so that a machine whose speed drifts during the run moves them alike; the ratio is then the median of
+the rounds' ratios. ``--workload mnist_cnn`` times gradshare.models.SmallCNN (106k parameters), whose step is
+short enough that what gradshare adds per step in Python shows.
+
     python bench/step.py --repeat 3
+    python bench/step.py --workload mnist_cnn --workers 4 --rounds 6 --steps 40 --contenders ddp,gradshare,gradshare_optimizer
 """
 from __future__ import annotations
 
@@ -64,23 +70,33 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
 
     def setup(name):
         torch.manual_seed(0)
-        model = workloads.MLP()
+        if args.workload == "mnist_cnn":
+            from gradshare.models import SmallCNN
+            model = SmallCNN(in_channels=1, num_classes=10, image_size=28)
+        else:
+            model = workloads.MLP()
         if name == "gradshare_optimizer":
             opt = gs.SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                      **sharing_kwargs())
+            fronts[name] = opt
             return model, opt
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.0 if name == "gradshare_hook_momentum" else 0.9)
+        state = None
         if name == "gradshare":
-            ddp.register_comm_hook(gs.ThresholdState(optimizer=opt, **sharing_kwargs()), gs.threshold_hook)
+            state = gs.ThresholdState(optimizer=opt, **sharing_kwargs())
         elif name == "gradshare_unmasked":
-            ddp.register_comm_hook(gs.ThresholdState(optimizer=opt, momentum_masking=False, **sharing_kwargs()),
-                                   gs.threshold_hook)
+            state = gs.ThresholdState(optimizer=opt, momentum_masking=False, **sharing_kwargs())
         elif name == "gradshare_hook_gradients":
-            ddp.register_comm_hook(gs.ThresholdState(**sharing_kwargs()), gs.threshold_hook)
+            state = gs.ThresholdState(**sharing_kwargs())
         elif name == "gradshare_hook_momentum":
-            ddp.register_comm_hook(gs.ThresholdState(momentum=0.9, **sharing_kwargs()), gs.threshold_hook)
+            state = gs.ThresholdState(momentum=0.9, **sharing_kwargs())
+        if state is not None:
+            ddp.register_comm_hook(state, gs.threshold_hook)
+            fronts[name] = state
         return ddp, opt
+
+    fronts = {}                          # each gradshare contender's sharing front: its statistics
 
     # what SGD's momentum masking (gradshare.momentum_masking) takes of a step, timed where it runs: its share
     # of a compressed step is smaller than the step times' spread between runs here
@@ -94,12 +110,16 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
         masking_times.append(time.perf_counter() - t)
 
     MomentumMasking.after = timed_after
-    medians = {}
-    for name in args.contenders.split(","):
-        fwd, opt = setup(name)
+    def formats(name):
+        """How a contender's exchanges went so far (gradshare.stats formats: allreduce, allreduce_bf16, topk ...)."""
+        stats = fronts[name].stats if name in fronts else None
+        return dict(stats.format_counts) if stats is not None else {}
+
+    def timed(fwd, opt, steps):
+        """``steps`` steps of one contender: their times and momentum masking's in them (s)."""
         times = []
         del masking_times[:]
-        for i in range(args.warmup + args.steps):
+        for i in range(steps):
             x, y = batches[i % len(batches)]
             dist.barrier()
             t = time.perf_counter()
@@ -107,12 +127,33 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
             torch.nn.functional.cross_entropy(fwd(x), y).backward()
             opt.step()
             times.append(time.perf_counter() - t)
-        medians[name] = statistics.median(times[args.warmup:]) * 1e3
-        if len(masking_times) == len(times):
-            medians[name + " masking"] = statistics.median(masking_times[args.warmup:]) * 1e3
+        return times, list(masking_times) if len(masking_times) == len(times) else None
+
+    medians = {}
+    names = args.contenders.split(",")
+    if args.rounds:                    # every contender built and warmed up, then timed in turns
+        built = {name: setup(name) for name in names}
+        for name in names:
+            timed(*built[name], args.warmup)
+        before = {name: formats(name) for name in names}
+        for r in range(args.rounds):
+            for name in names:
+                times, masked = timed(*built[name], args.steps)
+                medians[f"{name} round {r}"] = statistics.median(times) * 1e3
+        for name in names:               # the timed exchanges' formats: the path the policy took on them
+            counts = {f: n - before[name].get(f, 0) for f, n in formats(name).items()}
+            medians[f"{name} formats"] = {f: n for f, n in counts.items() if n}
+        del built
+    else:
+        for name in names:
+            fwd, opt = setup(name)
+            times, masked = timed(fwd, opt, args.warmup + args.steps)
+            medians[name] = statistics.median(times[args.warmup:]) * 1e3
+            if masked is not None:
+                medians[name + " masking"] = statistics.median(masked[args.warmup:]) * 1e3
+            del fwd, opt
     if rank == 0:
         queue.put(medians)
-    del fwd, opt
     process_group.destroy_process_group()
 
 
@@ -127,6 +168,9 @@ def main(argv=None) -> int:
                    help="default: gradshare's defaults (link-aware); compressed: the defaults with link=None "
                         "(compression at every step); topk: TopK(0.01, 4096-element chunks, bf16 values, "
                         "no warm-up)")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="> 0: time the contenders in turns, this many rounds of --steps steps each (module docstring)")
+    p.add_argument("--workload", choices=("mlp", "mnist_cnn"), default="mlp")
     p.add_argument("--port", type=int, default=29811)
     p.add_argument("--json", help="write every run's medians here")
     args = p.parse_args(argv)
@@ -140,6 +184,8 @@ def main(argv=None) -> int:
         queue = mp.get_context("spawn").SimpleQueue()
         mp.spawn(_rank, args=(args.workers, args.port + r, args, queue), nprocs=args.workers)
         runs.append(queue.get())
+    if args.rounds:
+        return _report_rounds(args, runs)
     print(f"median step (ms) over {args.steps} steps, {args.workers} workers, compression {args.compression}; "
           f"ratio to DDP in the same run")
     print("| contender | " + " | ".join(f"run {i + 1}" for i in range(len(runs))) + " | median ratio |")
@@ -152,6 +198,31 @@ def main(argv=None) -> int:
         if name + " masking" in runs[0]:
             print(f"{name}: momentum masking takes " + ", ".join(f"{run[name + ' masking']:.2f}" for run in runs)
                   + " ms of its step (median over the timed steps, per run)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "runs": runs}, f, indent=1)
+    return 0
+
+
+def _report_rounds(args, runs) -> int:
+    """The table of a run in turns: each contender's median step per round, and the median of the rounds' ratios
+    to DDP's (every run's rounds together)."""
+    names = args.contenders.split(",")
+    cells = [(run, r) for run in runs for r in range(args.rounds)]
+    print(f"{args.workload}: median step (ms) of each round of {args.steps} steps, {args.workers} workers, contenders "
+          f"in turns, compression {args.compression}; ratio to DDP's step in the same round")
+    print("| contender | " + " | ".join(f"run {i + 1} round {r + 1}" for i in range(len(runs))
+                                       for r in range(args.rounds)) + " | median ratio |")
+    print("|---|" + "---:|" * (len(cells) + 1))
+    for name in names:
+        ratios = [run[f"{name} round {r}"] / run[f"ddp round {r}"] for run, r in cells]
+        row = " | ".join(f"{run[f'{name} round {r}']:.1f}" for run, r in cells)
+        print(f"| {name} | {row} | {statistics.median(ratios):.2f}x |")
+    for name in names:
+        paths = [run.get(f"{name} formats") for run in runs]
+        if any(paths):
+            print(f"{name}: exchanges of the timed steps by format (bucket-steps), per run: "
+                  + "; ".join(", ".join(f"{f} {n}" for f, n in sorted(p.items())) for p in paths))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": runs}, f, indent=1)

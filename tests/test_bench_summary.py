@@ -132,3 +132,12 @@ def test_a_report_judges_recorded_runs_again_at_another_target():
     assert s["gs"]["steps_to_target"] == 40 and s["gs"]["speedup"] == pytest.approx(1.5)
     e2e.rejudge(rows, 2.0)                                        # reached by nobody
     assert all(r["time_to_target"] is None for r in e2e.summarize(rows))
+
+
+def test_a_contender_named_twice_is_refused_before_anything_runs(tmp_path, capsys):
+    # its second run would overwrite the first's rank files and merge their rows into one
+    with pytest.raises(SystemExit):
+        e2e.main(["--workloads", "mnist_cnn", "--contenders", "ddp_allreduce,gradshare_auto,ddp_allreduce",
+                  "--out", str(tmp_path / "out")])
+    assert "ddp_allreduce given twice" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
