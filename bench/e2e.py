@@ -35,7 +35,8 @@ import time
 from typing import List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+# After the installed packages: bench/kernels.py must not hide Hugging Face's `kernels`, which transformers imports.
+sys.path.append(HERE)
 
 import e2e_worker  # noqa: E402
 import netns  # noqa: E402

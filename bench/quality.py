@@ -72,7 +72,8 @@ import time
 from typing import Dict, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+# After the installed packages: bench/kernels.py must not hide Hugging Face's `kernels`, which transformers imports.
+sys.path.append(HERE)
 
 LOCAL_STEPS = {
     "avg_h5": "dict(frequency=5)",

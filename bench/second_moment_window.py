@@ -30,7 +30,8 @@ from typing import List, Tuple
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# After the installed packages: bench/kernels.py must not hide Hugging Face's `kernels`, which transformers imports.
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 import optimizers as bench_optimizers  # noqa: E402  (bench/optimizers.py: the model, data and learning rates)
 
 from gradshare import second_moment  # noqa: E402

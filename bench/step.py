@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+# After the installed packages: bench/kernels.py must not hide Hugging Face's `kernels`, which transformers imports.
+sys.path.append(HERE)
 
 CONTENDERS = ("ddp", "gradshare", "gradshare_optimizer", "gradshare_hook_gradients", "gradshare_hook_momentum",
               "gradshare_unmasked")

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+# After the installed packages: bench/kernels.py must not hide Hugging Face's `kernels`, which transformers imports.
+sys.path.append(os.path.join(os.path.dirname(__file__), "..", "bench"))
 e2e = pytest.importorskip("e2e")
 
 
@@ -141,3 +142,19 @@ def test_a_contender_named_twice_is_refused_before_anything_runs(tmp_path, capsy
                   "--out", str(tmp_path / "out")])
     assert "ddp_allreduce given twice" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_bench_scripts_hide_no_installed_package():
+    # The tests import bench's scripts by name; one named as an installed package (bench/kernels.py and Hugging
+    # Face's `kernels`, which transformers imports) must not be found in its place.
+    import importlib.machinery
+    import importlib.util
+
+    bench = os.path.realpath(os.path.join(os.path.dirname(__file__), "..", "bench"))
+    elsewhere = [p for p in sys.path if os.path.realpath(p or ".") != bench]
+    for f in sorted(os.listdir(bench)):
+        name = f[:-3]
+        if not f.endswith(".py") or importlib.machinery.PathFinder.find_spec(name, elsewhere) is None:
+            continue
+        origin = importlib.util.find_spec(name).origin
+        assert os.path.dirname(os.path.realpath(origin)) != bench, f"bench/{f} hides the installed {name}"
