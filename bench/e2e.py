@@ -549,9 +549,9 @@ def main(argv=None) -> int:
     twice = sorted({c for c in named if named.count(c) > 1})
     if twice and not a.report:     # a second run would overwrite the first's rank files, its rows merged with them
         ap.error(f"--contenders: {', '.join(twice)} given twice; repeat a run with --seeds instead")
-    for c in a.contenders.split(","):
+    for c in named if not a.report else []:
         try:
-            e2e_worker.contender_name(c.strip()) if c.strip() and not a.report else None
+            e2e_worker.contender_name(c)
         except argparse.ArgumentTypeError as exc:
             ap.error(str(exc))
     if a.target is not None and len({e2e_worker.metric_of(w) for w in a.workloads.split(",")}) > 1 and not a.report:

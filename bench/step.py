@@ -139,7 +139,7 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
         before = {name: formats(name) for name in names}
         for r in range(args.rounds):
             for name in names:
-                times, masked = timed(*built[name], args.steps)
+                times, _ = timed(*built[name], args.steps)
                 medians[f"{name} round {r}"] = statistics.median(times) * 1e3
         for name in names:               # the timed exchanges' formats: the path the policy took on them
             counts = {f: n - before[name].get(f, 0) for f, n in formats(name).items()}
