@@ -13,7 +13,8 @@ per version (``PYTHONPATH=<its python dir>``) and compare the ratios.
 ``--rounds R`` times the contenders in turns, R rounds of ``--steps`` steps each (every contender built and warmed
 up first), so that a machine whose speed drifts during the run moves them alike; the ratio is then the median of
 the rounds' ratios. ``--workload mnist_cnn`` times gradshare.models.SmallCNN (106k parameters), whose step is
-short enough that what gradshare adds per step in Python shows.
+short enough that what gradshare adds per step in Python shows; ``--workload char_lm`` the 503k-parameter
+transformer LM with AdamW (about 50 tensors: what gradshare does once per parameter shows).
 
     python bench/step.py --repeat 3
     python bench/step.py --workload mnist_cnn --workers 4 --rounds 6 --steps 40 --contenders ddp,gradshare,gradshare_optimizer
@@ -67,22 +68,33 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
         return {"link": None} if args.compression == "compressed" else {}
 
     g = torch.Generator().manual_seed(rank)
-    batches = [(torch.randn(32, 1, 28, 28, generator=g), torch.randint(0, 10, (32,), generator=g)) for _ in range(8)]
+    if args.workload == "char_lm":       # token windows; the loss over every position's next token
+        batches = [(torch.randint(0, 256, (16, workloads.CONTEXT), generator=g),
+                    torch.randint(0, 256, (16 * workloads.CONTEXT,), generator=g)) for _ in range(8)]
+    else:
+        batches = [(torch.randn(32, 1, 28, 28, generator=g), torch.randint(0, 10, (32,), generator=g))
+                   for _ in range(8)]
+
+    def make_optimizer(params, momentum=0.9):
+        if args.workload == "char_lm":
+            return workloads.WORKLOADS["char_lm"].optimizer(params)
+        return torch.optim.SGD(params, lr=0.05, momentum=momentum)
 
     def setup(name):
         torch.manual_seed(0)
         if args.workload == "mnist_cnn":
             from gradshare.models import SmallCNN
             model = SmallCNN(in_channels=1, num_classes=10, image_size=28)
+        elif args.workload == "char_lm":
+            model = workloads.CharLM()
         else:
             model = workloads.MLP()
         if name == "gradshare_optimizer":
-            opt = gs.SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                     **sharing_kwargs())
+            opt = gs.SharedOptimizer(make_optimizer(model.parameters()), **sharing_kwargs())
             fronts[name] = opt
             return model, opt
         ddp = torch.nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.0 if name == "gradshare_hook_momentum" else 0.9)
+        opt = make_optimizer(ddp.parameters(), momentum=0.0 if name == "gradshare_hook_momentum" else 0.9)
         state = None
         if name == "gradshare":
             state = gs.ThresholdState(optimizer=opt, **sharing_kwargs())
@@ -125,7 +137,7 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
             dist.barrier()
             t = time.perf_counter()
             opt.zero_grad()
-            torch.nn.functional.cross_entropy(fwd(x), y).backward()
+            torch.nn.functional.cross_entropy(fwd(x).reshape(len(y), -1), y).backward()
             opt.step()
             times.append(time.perf_counter() - t)
         return times, list(masking_times) if len(masking_times) == len(times) else None
@@ -171,7 +183,7 @@ def main(argv=None) -> int:
                         "no warm-up)")
     p.add_argument("--rounds", type=int, default=0,
                    help="> 0: time the contenders in turns, this many rounds of --steps steps each (module docstring)")
-    p.add_argument("--workload", choices=("mlp", "mnist_cnn"), default="mlp")
+    p.add_argument("--workload", choices=("mlp", "mnist_cnn", "char_lm"), default="mlp")
     p.add_argument("--port", type=int, default=29811)
     p.add_argument("--json", help="write every run's medians here")
     args = p.parse_args(argv)

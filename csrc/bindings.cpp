@@ -162,6 +162,44 @@ void rescale(uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t change, uintptr_
   }
 }
 
+// Several rescale calls under one GIL release: an Adam-family model of many small tensors paid more for the
+// Python call per parameter than for its pass over memory. ptrs: 6 addresses per item (exp_avg, exp_avg_sq,
+// change, after, signal, target; 0 where absent), scalars: 9 per item in rescale's order (bias1 .. signal_bias).
+void rescale_many(const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& ns, const std::vector<float>& scalars,
+                  bool cuda, uintptr_t stream) {
+  const size_t k = ns.size();
+  if (ptrs.size() != 6 * k || scalars.size() != 9 * k) {
+    throw std::invalid_argument("rescale_many: 6 addresses and 9 scalars per item");
+  }
+  py::gil_scoped_release nogil;
+  for (size_t i = 0; i < k; ++i) {
+    const uintptr_t* p = &ptrs[6 * i];
+    const float* s = &scalars[9 * i];
+    gs::RescaleArgs a;
+    a.bias1 = s[0];
+    a.bias2 = s[1];
+    a.world = s[2];
+    a.eps = s[3];
+    a.lr = s[4];
+    a.decay = s[5];
+    a.sign = s[6];
+    a.signal_weight = s[7];
+    a.signal_bias = s[8];
+    if (cuda) {
+#ifdef GS_HAVE_CUDA
+      gs::rescale_cuda(ptr<const float>(p[0]), ptr<const float>(p[1]), ptr<const float>(p[2]), ptr<const float>(p[3]),
+                       ptr<float>(p[4]), ptr<float>(p[5]), ns[i], a, ptr<void>(stream));
+#else
+      (void)stream;
+      no_cuda();
+#endif
+    } else {
+      gs::rescale_cpu(ptr<const float>(p[0]), ptr<const float>(p[1]), ptr<const float>(p[2]), ptr<const float>(p[3]),
+                      ptr<float>(p[4]), ptr<float>(p[5]), ns[i], a);
+    }
+  }
+}
+
 void rescale_tracked(int32_t kind, uintptr_t grad, uintptr_t change, uintptr_t after, uintptr_t second,
                      uintptr_t grad_avg, uintptr_t mean, uintptr_t extra, uintptr_t signal, uintptr_t target,
                      int64_t n, float world, float inv_world, float grad_sign, float weight_decay, float decay,
@@ -250,6 +288,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("signal"), py::arg("target"), py::arg("n"), py::arg("bias1"), py::arg("bias2"), py::arg("world"),
         py::arg("eps"), py::arg("lr"), py::arg("decay"), py::arg("sign"), py::arg("signal_weight"),
         py::arg("signal_bias"), py::arg("cuda"), py::arg("stream"));
+  m.def("rescale_many", &rescale_many, py::arg("ptrs"), py::arg("ns"), py::arg("scalars"), py::arg("cuda"),
+        py::arg("stream"));
   m.def("rescale_tracked", &rescale_tracked, py::arg("kind"), py::arg("grad"), py::arg("change"), py::arg("after"),
         py::arg("second"), py::arg("grad_avg"), py::arg("mean"), py::arg("extra"), py::arg("signal"), py::arg("target"),
         py::arg("n"), py::arg("world"), py::arg("inv_world"), py::arg("grad_sign"), py::arg("weight_decay"),

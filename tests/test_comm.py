@@ -118,12 +118,15 @@ def test_any_nonfinite_finds_one_bad_element_and_not_a_finite_overflow(bad, dtyp
     finite = [torch.randn(1000).to(dtype), torch.full((4,), big, dtype=dtype)]   # sums overflow, all finite
     assert any_nonfinite(finite).tolist() == [0.0]
     assert any_nonfinite([]).tolist() == [0.0]
+    assert any_nonfinite([torch.empty(0, dtype=dtype)] + finite + [torch.ones(3)]).tolist() == [0.0]
     for where in (0, 511, 999):
         t = torch.randn(1000).to(dtype)
         t[where] = bad
         assert any_nonfinite(finite + [t]).tolist() == [1.0], where
     both = torch.tensor([float("inf"), float("-inf")], dtype=dtype)            # sums to NaN
     assert any_nonfinite([both]).tolist() == [1.0]
+    sparse = torch.sparse_coo_tensor([[0, 7]], torch.tensor([1.0, bad]), (9,)).to(dtype)     # its stored values
+    assert any_nonfinite([torch.ones(2), sparse]).tolist() == [1.0]
 
 
 def test_break_even_rule():

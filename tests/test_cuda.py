@@ -383,6 +383,25 @@ def test_global_batch_step_matches_cpu(n, form, sign, world):
         assert_bits_equal(gkw["signal"], kw["signal"])
 
 
+def test_global_batch_steps_match_cpu():
+    """Several parameters' rescaling in one call (the sharing core's), on the GPU as on the CPU."""
+    steps, on_gpu = [], []
+    for i, (form, n) in enumerate([("adam", 17), ("change_decay", TILE + 3), ("adam_signal", 0), ("change", 2**16 + 1)]):
+        m, v, kw = global_batch_step_case(form, n, seed=60 + i, edge=True)
+        t = torch.randn(n)
+        row = (m, v, t, kw.get("change"), kw.get("after"), kw.get("signal"), kw["bias1"], kw["bias2"], kw["world"],
+               kw["eps"], kw.get("lr", 0.0), kw.get("decay", 0.0), 1.0 if i % 2 else -1.0,
+               kw.get("signal_weight", 0.0), kw.get("signal_bias", 1.0))
+        steps.append(row)
+        on_gpu.append(tuple(gpu(x) if torch.is_tensor(x) else x for x in row))
+    ops.global_batch_steps(steps)
+    ops.global_batch_steps(on_gpu)
+    for c, g in zip(steps, on_gpu):
+        assert_bits_equal(g[2], c[2])
+        if c[5] is not None:
+            assert_bits_equal(g[5], c[5])
+
+
 @pytest.mark.parametrize("alias", ["change", "after"])
 def test_global_batch_step_in_place_matches_cpu(alias):
     m, v, kw = global_batch_step_case("change_decay", 2 * TILE + 1, seed=3, edge=True)

@@ -245,6 +245,56 @@ def test_global_batch_step_in_place(alias):
     assert not torch.equal(target, kw[alias])
 
 
+def _steps_case():
+    """(per-step keyword calls, the same as gradshare.ops.global_batch_steps' tuples): every form, sizes from 0
+    to past a parallel chunk, one step rescaling its change in place."""
+    calls = []
+    for i, (form, n) in enumerate([("adam", 17), ("change", 0), ("change_decay", 2 * CHUNK + 1), ("adam_signal", 1),
+                                   ("change_decay_signal", 300), ("adam", 1000)]):
+        m, v, kw = global_batch_step_case(form, n, seed=40 + i, world=2 + i % 3, edge=True, nonfinite=True)
+        target = kw["change"].clone() if i == 4 else torch.randn(n, generator=torch.Generator().manual_seed(i))
+        calls.append((m, v, target, dict(kw, change=target) if i == 4 else kw, -1.0 if i % 2 else 1.0))
+    return calls
+
+
+def _as_tuple(m, v, target, kw, sign):
+    return (m, v, target, kw.get("change"), kw.get("after"), kw.get("signal"), kw["bias1"], kw["bias2"],
+            kw["world"], kw["eps"], kw.get("lr", 0.0), kw.get("decay", 0.0), sign, kw.get("signal_weight", 0.0),
+            kw.get("signal_bias", 1.0))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_global_batch_steps_are_one_global_batch_step_each(native, monkeypatch):
+    """The sharing core rescales a bucket's parameters in one call: the same bits as one call per parameter,
+    with the native library and through the reference (where it is missing)."""
+    expected = _steps_case()
+    for m, v, target, kw, sign in expected:
+        ops.global_batch_step(m, v, target, sign=sign, **kw)
+    got = _steps_case()
+    if not native:
+        monkeypatch.setattr(gradshare._native, "available", lambda: False)
+    ops.global_batch_steps([_as_tuple(*c) for c in got])
+    for (_, _, want, kw_want, _), (_, _, have, kw_have, _) in zip(expected, got):
+        assert_bits_equal(have, want)
+        if "signal" in kw_want:
+            assert_bits_equal(kw_have["signal"], kw_want["signal"])
+    ops.global_batch_steps([])                                      # nothing to do
+
+
+def test_global_batch_steps_refuse_operands_that_do_not_fit_and_write_nothing():
+    calls = _steps_case()
+    before = [c[2].clone() for c in calls]
+    short = [_as_tuple(*c) for c in calls]
+    short[3] = (short[3][0], short[3][1][:0]) + short[3][2:]               # exp_avg_sq shorter than its target
+    wide = [_as_tuple(*c) for c in calls]
+    wide[2] = (wide[2][0].double(),) + wide[2][1:]
+    for bad, what in ((short, "0 elements"), (wide, "float64"), ([_as_tuple(*calls[0])[:14]], "15 arguments")):
+        with pytest.raises(ValueError, match=what):
+            ops.global_batch_steps(bad)
+    for c, b in zip(calls, before):
+        assert_bits_equal(c[2], b)
+
+
 def test_global_batch_step_threads_agree(threads):
     m, v, kw = global_batch_step_case("adam", BIG, seed=9)
     out = []

@@ -172,6 +172,43 @@ def _rescaled_then_plain(rescaled=3, plain=40):
     return p, opt, rescale
 
 
+@pytest.mark.parametrize("kind", ["adamw", "nadam", "rmsprop"])
+def test_apply_all_is_apply_for_each_parameter(kind):
+    """The sharing core rescales a bucket's parameters together (Adam's kin in one native call): the same bits,
+    and the same squared means, as one :meth:`GlobalBatchStep.apply` each; a parameter without a gradient is
+    left alone in both."""
+    def run(together):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.LayerNorm(7), torch.nn.Linear(7, 3))
+        make = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+                "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
+                "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2)}[kind]
+        opt = make(model.parameters())
+        rescale = second_moment.GlobalBatchStep(opt)
+        params = list(model.parameters())
+        g = torch.Generator().manual_seed(1)
+        for step in range(4):
+            before = [p.detach().clone() for p in params]
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            if step == 3:
+                params[1].grad = None                 # not stepped: nothing to rescale
+            opt.step()
+            items = [(p, opt.param_groups[0], p.data, b - p.detach()) for p, b in zip(params, before)]
+            if together:
+                rescale.apply_all(items, 2, sign=-1.0)
+            else:
+                for p, group, target, change in items:
+                    rescale.apply(p, group, 2, target, change=change, sign=-1.0)
+        return [p.detach().clone() for p in params], [v.get("squared_mean") for v in rescale._aux.values()]
+
+    (p1, s1), (p2, s2) = run(False), run(True)
+    for a, b in zip(p1, p2):
+        assert torch.equal(a, b)
+    assert len(s1) == len(s2) and all((a is None and b is None) or torch.equal(a, b) for a, b in zip(s1, s2))
+    assert any(a is not None for a in s1) or kind == "rmsprop"
+
+
 def test_the_squared_mean_counts_the_steps_it_did_not_see():
     """Steps on the all-reduced gradient move v; the squared mean, read after them, has counted them (with the
     mean as it is now), so it stays an average over v's window instead of holding the first steps' large mean."""

@@ -861,3 +861,49 @@ def test_model_feedback_is_checked():
         assert torch.equal(w, torch.full((3,), 0.5))
     with own.mean_result():                                              # no step yet: no mean result held
         assert torch.equal(w, torch.full((3,), 0.5))
+
+
+def test_bucket_copies_and_cached_slices_follow_the_buffers():
+    from gradshare.compression import Dense
+    from gradshare.sharing import Bucket
+    a, b = nn.Parameter(torch.zeros(2, 3)), nn.Parameter(torch.zeros(4))
+    bucket = Bucket(0, [a, b], Dense())
+    bucket.residual.copy_(torch.arange(10.0))
+    first = [v for _, v in bucket.views(bucket.residual)]
+    assert torch.equal(first[0], torch.arange(6.0).view(2, 3)) and torch.equal(first[1], torch.arange(6.0, 10.0))
+    assert all(x is y for x, (_, y) in zip(first, bucket.views(bucket.residual)))     # kept, not re-sliced
+    bucket.residual = torch.full((10,), -1.0)          # replaced, as a checkpoint load does
+    assert all(torch.equal(v, torch.full_like(v, -1.0)) for _, v in bucket.views(bucket.residual))
+    bucket.residual[7] = 5.0
+    assert dict(bucket.views(bucket.residual))[b][1] == 5.0
+    foreign = torch.arange(10.0, 20.0)                 # not the bucket's own: sliced afresh, never kept
+    assert torch.equal(dict(bucket.views(foreign))[b], torch.arange(16.0, 20.0))
+    assert all(e[0] is not foreign for e in bucket._slice_cache.values())
+
+    bucket.set_params(torch.arange(10.0))
+    assert torch.equal(a.detach(), torch.arange(6.0).view(2, 3)) and torch.equal(b.detach(), torch.arange(6.0, 10.0))
+    assert torch.equal(bucket.gather_params(torch.empty(10)), torch.arange(10.0))
+    b.grad = torch.ones(4)                             # a has no gradient: its slice is zero
+    assert torch.equal(bucket.gather_grads(torch.full((10,), 9.0)), torch.tensor([0.0] * 6 + [1.0] * 4))
+    a.grad = torch.zeros(2, 3)
+    bucket.set_grads(torch.arange(10.0))               # every gradient present: one multi-tensor copy
+    assert torch.equal(a.grad, torch.arange(6.0).view(2, 3)) and torch.equal(b.grad, torch.arange(6.0, 10.0))
+    a.grad = None
+    bucket.set_grads(torch.arange(10.0) + 1, present=[False, True])
+    assert a.grad is None and torch.equal(b.grad, torch.arange(7.0, 11.0))
+    bucket.set_grads(torch.arange(10.0) + 2, present=[True, True])
+    assert torch.equal(a.grad, torch.arange(2.0, 8.0).view(2, 3))
+
+    bucket.snapshot = torch.linspace(-1.0, 1.0, 10)                  # the own model: snapshot - residual
+    bucket.residual = torch.randn(10) * 1e-3
+    bucket.set_params_own()
+    slow = [p.detach().clone() for p in bucket.params]
+    bucket.set_params(bucket.snapshot)                # the parameters show the mean result
+    bucket.gather_params(bucket.snapshot)             # what wear_own reads first
+    bucket.set_params_own(read=True)                  # float32: the residual taken off in place, the same bits
+    assert all(torch.equal(p.detach(), q) for p, q in zip(bucket.params, slow))
+
+    h = nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))           # a bfloat16 bucket, float32 buffers
+    half = Bucket(1, [h], Dense())
+    half.set_params(torch.tensor([1.5, 2.0, -3.0]))
+    assert h.dtype == torch.bfloat16 and torch.equal(h.detach().float(), torch.tensor([1.5, 2.0, -3.0]))

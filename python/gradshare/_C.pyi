@@ -40,6 +40,10 @@ def rescale(exp_avg: int, exp_avg_sq: int, change: int, after: int, signal: int,
     else the change form; after is read only when decay != 0); signal (0: none) is gradshare's average of m^2,
     updated with signal_weight and read divided by signal_bias."""
 
+def rescale_many(ptrs: List[int], ns: List[int], scalars: List[float], cuda: bool, stream: int) -> None:
+    """rescale for each item in turn: ptrs holds 6 addresses per item (exp_avg, exp_avg_sq, change, after, signal,
+    target), ns its element count, scalars 9 floats per item in rescale's order (bias1 ... signal_bias)."""
+
 def rescale_tracked(kind: int, grad: int, change: int, after: int, second: int, grad_avg: int, mean: int, extra: int,
                     signal: int, target: int, n: int, world: float, inv_world: float, grad_sign: float,
                     weight_decay: float, decay: float, mean_weight: float, mean_bias: float, offset: float,

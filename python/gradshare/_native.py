@@ -94,6 +94,20 @@ def rescale(exp_avg, exp_avg_sq, change, after, signal, target, bias1, bias2, wo
                _stream(target))
 
 
+def rescale_many(steps) -> None:
+    """:func:`rescale` for each step, one native call: a step is (exp_avg, exp_avg_sq, target, change, after,
+    signal, bias1, bias2, world, eps, lr, decay, sign, signal_weight, signal_bias), tensors on one device."""
+    addr = (lambda t: 0 if t is None else t.data_ptr())
+    ptrs, ns, scalars = [], [], []
+    for s in steps:
+        ptrs += (s[0].data_ptr(), s[1].data_ptr(), addr(s[3]), addr(s[4]), addr(s[5]), s[2].data_ptr())
+        ns.append(s[2].numel())
+        scalars += (float(x) for x in s[6:15])
+    if ns:
+        t = steps[0][2]
+        _C.rescale_many(ptrs, ns, scalars, t.is_cuda, _stream(t))
+
+
 def rescale_tracked(kind, grad, change, after, second, grad_avg, mean, extra, signal, target, scalars) -> None:
     """target +-= the tracked step's excess, mean, extra and signal updated (csrc/gradshare/element.h: tracked_excess);
     tensors may be None (0), ``scalars`` the floats of gs::TrackedArgs in their order."""

@@ -287,10 +287,8 @@ class ParameterAveraging(WrappedOptimizer):
         world = self.world_size
         if world <= 1 or self.rescale.kind is None:
             return
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                change = None if before is None else before[id(p)] - p.detach()
-                self.rescale.apply(p, group, world, p.data, change=change, sign=-1.0)
+        self.rescale.apply_all(((p, group, p.data, None if before is None else before[id(p)] - p.detach())
+                                for group in self.optimizer.param_groups for p in group["params"]), world, sign=-1.0)
 
     def due(self, step: int) -> bool:
         """Whether an averaging round follows optimizer step number ``step`` (1-based)."""

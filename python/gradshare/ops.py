@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -714,6 +714,39 @@ def global_batch_step(exp_avg: ArrayLike, exp_avg_sq: ArrayLike, target: ArrayLi
     _run(_global_batch_step_op, _global_batch_step_impl, flat["exp_avg"], flat["exp_avg_sq"], flat["target"],
          flat.get("change"), flat.get("after"), flat.get("signal"), float(bias1), float(bias2), float(world),
          float(eps), float(lr), decay, sign, signal_weight, signal_bias)
+
+
+def global_batch_steps(steps: Sequence[Tuple]) -> None:
+    """:func:`global_batch_step` for each of several parameters, in one native call: a model of many small
+    tensors (a transformer's norms and biases) spent more per parameter on the call than on its pass over memory.
+    For gradshare.second_moment, which builds the operands from an optimizer's state: each step is the
+    implementation's positional arguments (exp_avg, exp_avg_sq, target, change, after, signal, bias1, bias2, world,
+    eps, lr, decay, sign, signal_weight, signal_bias). What memory safety needs is checked here (float32,
+    contiguous, one device, equal sizes); the ranges and aliasing that :func:`global_batch_step` checks for a
+    user's operands hold by the caller's construction. Bit for bit as one :func:`global_batch_step` per step."""
+    if not steps:
+        return
+    device = steps[0][2].device
+    plain = True
+    for s in steps:
+        if len(s) != 15:
+            raise ValueError(f"global_batch_steps: a step is 15 arguments, got {len(s)}")
+        n = s[2].numel()
+        for t in s[:6]:
+            if t is None:
+                continue
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.device != device or t.numel() != n:
+                raise ValueError("global_batch_steps: every operand float32, contiguous, on one device, of its "
+                                 f"target's size; got {t.dtype}, {t.numel()} elements on {t.device} for a target of "
+                                 f"{n} on {device}")
+            plain = plain and type(t) is torch.Tensor
+    if plain and device.type in ("cpu", "cuda") and _native.available() and not torch.compiler.is_compiling() \
+            and not torch._C._is_torch_function_mode_enabled():
+        _native.rescale_many(steps)          # addresses and sizes: contiguous, so the shapes do not matter
+        return
+    for s in steps:
+        _run(_global_batch_step_op, _global_batch_step_impl, *(None if t is None else t.view(-1) for t in s[:6]),
+             *(float(x) for x in s[6:]))
 
 
 def global_batch_step_tracked(grad: ArrayLike, change: ArrayLike, mean: ArrayLike, target: ArrayLike, *, kind: str,

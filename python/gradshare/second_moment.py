@@ -82,7 +82,7 @@ the exchange changes path, are torch ops here.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -428,15 +428,21 @@ def _counted(args: Dict[str, Any], kind: str, group: Dict[str, Any], p: torch.Te
 
 def _apply_adam_family(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], world: int, kind: str,
                        change: Optional[torch.Tensor], target: torch.Tensor, sign: float,
-                       aux: Optional[Dict[str, Any]] = None) -> bool:
+                       aux: Optional[Dict[str, Any]] = None, batch: Optional[List[Tuple]] = None) -> bool:
     """target +-= :func:`step_excess` of an Adam-family step (gradshare.ops.global_batch_step: one native pass
-    where every tensor is contiguous float32, the same float32 torch ops otherwise); False: nothing to do."""
+    where every tensor is contiguous float32, the same float32 torch ops otherwise); False: nothing to do.
+    ``batch``: a native pass is added to it (gradshare.ops.global_batch_steps' form) for the caller to run."""
     args = _adam_family_args(p, state, group, world, kind, change, aux)
     if args is None:
         return False
     tensors = [target] + [args[k] for k in ("exp_avg", "exp_avg_sq", "change", "after", "signal") if k in args]
     if all(x.dtype == torch.float32 and x.is_contiguous() for x in tensors):
-        ops.global_batch_step(target=target.view(-1), sign=sign, **args)
+        if batch is None:
+            ops.global_batch_step(target=target.view(-1), sign=sign, **args)
+        else:
+            batch.append((args["exp_avg"], args["exp_avg_sq"], target, args.get("change"), args.get("after"),
+                          args.get("signal"), args["bias1"], args["bias2"], world, args["eps"], args.get("lr", 0.0),
+                          args.get("decay", 0.0), sign, args.get("signal_weight", 0.0), args.get("signal_bias", 1.0)))
     else:
         reference.global_batch_step(target=target, sign=sign, **args)
     return True
@@ -556,19 +562,32 @@ class GlobalBatchStep:
 
     @torch.no_grad()
     def apply(self, p: torch.Tensor, group: Dict[str, Any], world: int, target: torch.Tensor,
-              change: Optional[torch.Tensor] = None, sign: float = 1.0) -> None:
+              change: Optional[torch.Tensor] = None, sign: float = 1.0, batch: Optional[List[Tuple]] = None) -> None:
         """Makes the step the optimizer just took on ``p`` the global batch's: ``target`` += :meth:`excess`
         (the step's change, before - after, which ``target`` may be) or, with ``sign`` -1, ``target`` -= it
-        (the parameters after the step). Adam, AdamW, NAdam and RAdam in one native pass over memory."""
+        (the parameters after the step). Adam, AdamW, NAdam and RAdam in one native pass over memory (``batch``:
+        added to it, for :func:`gradshare.ops.global_batch_steps`; :meth:`apply_all` runs them)."""
         st = self.optimizer.state.get(p) if self.kind is not None else None
         if not st or world <= 1 or p.grad is None:
             return
         if self.kind in ADAM_FAMILY:
-            _apply_adam_family(p, st, group, world, self.kind, change, target, sign, self._entry(p))
+            _apply_adam_family(p, st, group, world, self.kind, change, target, sign, self._entry(p), batch)
             return
         aux = self._entry(p)
         _check_tracked(self.kind, change, aux)
         _apply_tracked(p, st, group, world, self.kind, change, aux, target, sign)
+
+    @torch.no_grad()
+    def apply_all(self, items: Iterable[Tuple[torch.Tensor, Dict[str, Any], torch.Tensor, Optional[torch.Tensor]]],
+                  world: int, sign: float = 1.0) -> None:
+        """:meth:`apply` for each (parameter, its group, target, change), the Adam family's native passes in one
+        call (each parameter's pass is independent of the others': the same bits as one call each)."""
+        if world <= 1 or self.kind is None:
+            return
+        batch: List[Tuple] = []
+        for p, group, target, change in items:
+            self.apply(p, group, world, target, change=change, sign=sign, batch=batch)
+        ops.global_batch_steps(batch)
 
     @torch.no_grad()
     def observe(self, params: Iterable[torch.Tensor], world: int) -> None:

@@ -169,6 +169,7 @@ class Bucket:
         self.launched: Optional[torch.Tensor] = None          # an overlapped round: the parameters at its launch
         self.last_sent: Optional[torch.Tensor] = None         # int8 per element: gradshare.momentum_masking
         self.start_held = False                               # error_feedback="model", updates: snapshot is the mean result
+        self._slice_cache: Dict[int, Tuple[torch.Tensor, int, List[torch.Tensor]]] = {}
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -187,34 +188,64 @@ class Bucket:
         return self._flat
 
     def views(self, flat: torch.Tensor) -> Iterable[Tuple[torch.Tensor, torch.Tensor]]:
-        for p, o, k in zip(self.params, self.offsets, self.numels):
-            yield p, flat[o:o + k].view_as(p)
+        """(parameter, its slice of ``flat`` shaped like it) for each parameter."""
+        return zip(self.params, self._slices(flat))
 
+    def _slices(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        # Slicing costs two tensor ops per parameter and every step makes several passes, which a model of
+        # many small tensors feels: the slices of the bucket's own buffers (residual, snapshot, ...) are kept
+        # while the buffer is one of them, checked by identity and address (a buffer replaced on load or
+        # resized drops its entry); any other tensor is sliced afresh.
+        hit = self._slice_cache.get(id(flat))
+        if hit is not None and hit[0] is flat and hit[1] == flat.data_ptr():
+            return hit[2]
+        out = [flat[o:o + k].view_as(p) for p, o, k in zip(self.params, self.offsets, self.numels)]
+        owned = (self.residual, self.spare, self.snapshot, self._flat, self.mean, self.launched)
+        if any(flat is t for t in owned):
+            self._slice_cache = {i: e for i, e in self._slice_cache.items() if any(e[0] is t for t in owned)}
+            self._slice_cache[id(flat)] = (flat, flat.data_ptr(), out)
+        return out
+
+    def float32(self) -> bool:
+        """Whether every parameter is float32 now (the buffers' dtype: copies to and from them round nothing)."""
+        return bool(self.params) and all(p.dtype == torch.float32 for p in self.params)
+
+    # The copies below are one multi-tensor call when they can be (torch._foreach_copy_: a fused kernel on
+    # CUDA, one C++ loop on CPU), the same single pass over memory as one copy per parameter.
+    @torch.no_grad()
     def gather_grads(self, out: torch.Tensor) -> torch.Tensor:
-        for p, v in self.views(out):
-            if p.grad is None:
+        grads = [p.grad for p in self.params]
+        if grads and all(g is not None and not g.is_sparse for g in grads):
+            torch._foreach_copy_(self._slices(out), grads)
+            return out
+        for g, v in zip(grads, self._slices(out)):
+            if g is None:
                 v.zero_()
             else:
-                v.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
+                v.copy_(g.to_dense() if g.is_sparse else g)
         return out
 
     def grads_present(self) -> torch.Tensor:
         """1.0 for each parameter that has a gradient here, 0.0 for one whose ``grad`` is None."""
         return torch.tensor([float(p.grad is not None) for p in self.params], device=self.device)
 
+    @torch.no_grad()
     def gather_params(self, out: torch.Tensor) -> torch.Tensor:
-        for p, v in self.views(out):
-            v.copy_(p.detach())
+        if self.params:
+            torch._foreach_copy_(self._slices(out), self.params)
         return out
 
     @torch.no_grad()
     def set_params(self, flat: torch.Tensor) -> None:
-        for p, v in self.views(flat):
-            p.copy_(v)
+        if self.params:
+            torch._foreach_copy_(self.params, self._slices(flat))
 
     @torch.no_grad()
     def change(self, out: torch.Tensor) -> torch.Tensor:
         """``out`` = :attr:`snapshot` - the parameters now (this rank's update), in one pass per parameter."""
+        for (p, v), (_, s) in zip(self.views(out), self.views(self.snapshot)):
+            torch.sub(s, p, out=v)
+        return out
         for (p, v), (_, s) in zip(self.views(out), self.views(self.snapshot)):
             torch.sub(s, p, out=v)
         return out
@@ -226,9 +257,14 @@ class Bucket:
             torch.sub(s, c, out=p.detach())
 
     @torch.no_grad()
-    def set_params_own(self) -> None:
+    def set_params_own(self, read: bool = False) -> None:
         """``error_feedback="model"``: every parameter set to :attr:`snapshot` - :attr:`residual` (the rank's own
-        model: the mean result minus what the rank has not sent), in one pass per parameter."""
+        model: the mean result minus what the rank has not sent), in one pass per parameter. ``read``: the
+        snapshot was just read from the parameters, so float32 ones hold it already and only lose the residual
+        (one multi-tensor call, the same bits)."""
+        if read and self.float32():
+            torch._foreach_sub_(self.params, self._slices(self.residual))
+            return
         for (p, r), (_, s) in zip(self.views(self.residual), self.views(self.snapshot)):
             torch.sub(s, r, out=p.detach())
 
@@ -236,6 +272,12 @@ class Bucket:
         """Gradients from ``flat``. A parameter whose entry in ``present`` is False had no gradient on any
         rank: its ``grad`` stays None, so the optimizer leaves it untouched as torch does (no weight decay,
         no state), on every rank alike."""
+        if all(p.grad is not None and not p.grad.is_sparse for p in self.params) and \
+                (present is None or all(present)):
+            if self.params:
+                with torch.no_grad():
+                    torch._foreach_copy_([p.grad for p in self.params], self._slices(flat))
+            return
         for i, (p, v) in enumerate(self.views(flat)):
             if present is not None and not present[i]:
                 continue
@@ -874,9 +916,7 @@ class Sharing:
     def _to_global_batch(self, b: Bucket, delta: torch.Tensor, groups: Dict[int, Dict[str, Any]]) -> None:
         """This rank's change in ``delta`` (before - after) made the step its optimizer on the global batch
         would take (gradshare.second_moment)."""
-        world = self.world_size
-        for p, view in b.views(delta):
-            self.rescale.apply(p, groups[id(p)], world, view, change=view)
+        self.rescale.apply_all(((p, groups[id(p)], view, view) for p, view in b.views(delta)), self.world_size)
 
     @torch.no_grad()
     def apply_outer(self, outer: torch.optim.Optimizer, buckets: Optional[Sequence[Bucket]] = None,
@@ -1207,7 +1247,7 @@ class Sharing:
         self._worn = True
         for b in self.buckets:
             if b.start_held:
-                b.set_params_own()
+                b.set_params_own(read=True)
 
     @torch.no_grad()
     def _read_shown(self) -> None:
@@ -1216,10 +1256,14 @@ class Sharing:
         if self._worn:
             return
         for b in self.buckets:
-            if b.start_held:
-                for p, s in b.views(b.snapshot):
-                    if p.dtype == torch.float32:
-                        s.copy_(p.detach())
+            if not b.start_held:
+                continue
+            if b.float32():
+                b.gather_params(b.snapshot)
+                continue
+            for p, s in b.views(b.snapshot):
+                if p.dtype == torch.float32:
+                    s.copy_(p.detach())
 
     @torch.no_grad()
     def residual_into_params(self, buckets: Optional[Sequence[Bucket]] = None) -> None:
