@@ -246,9 +246,6 @@ class Bucket:
         for (p, v), (_, s) in zip(self.views(out), self.views(self.snapshot)):
             torch.sub(s, p, out=v)
         return out
-        for (p, v), (_, s) in zip(self.views(out), self.views(self.snapshot)):
-            torch.sub(s, p, out=v)
-        return out
 
     @torch.no_grad()
     def set_params_before_minus(self, change: torch.Tensor) -> None:
