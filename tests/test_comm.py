@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from gradshare import TopK, Ternary, ops, reference
-from gradshare.comm import NonFiniteStepError, any_nonfinite, exchange, exchange_async, prefers_dense
+from gradshare.comm import NonFiniteStepError, any_nonfinite, exchange, exchange_async, grads_nonfinite, prefers_dense
 from gradshare.costmodel import allgather_bytes, ring_allreduce_bytes
 from gradshare.compression import Strom
 from gradshare.message import HEADER_WORDS
@@ -127,6 +127,36 @@ def test_any_nonfinite_finds_one_bad_element_and_not_a_finite_overflow(bad, dtyp
     assert any_nonfinite([both]).tolist() == [1.0]
     sparse = torch.sparse_coo_tensor([[0, 7]], torch.tensor([1.0, bad]), (9,)).to(dtype)     # its stored values
     assert any_nonfinite([torch.ones(2), sparse]).tolist() == [1.0]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_grads_nonfinite_is_any_nonfinite_and_leaves_every_value_as_it_was(bad):
+    def grads():
+        g = torch.Generator().manual_seed(3)
+        special = torch.tensor([-0.0, 1e-40, -1e-42, torch.finfo(torch.float32).max, 0.0])   # signed zero, subnormals
+        return [torch.randn(1000, generator=g), torch.randn(7, 5, generator=g).t(), special,   # a strided one
+                torch.randn(300, generator=g).half(), torch.randn(300, generator=g).bfloat16(),
+                torch.randn(50, generator=g).double(), torch.empty(0),
+                torch.sparse_coo_tensor([[0, 7]], torch.tensor([1.0, 2.0]), (9,)),
+                torch.randn(20, generator=g).requires_grad_()]                  # a gradient in a graph
+    clean = grads()
+    before = [t.detach().clone() for t in clean]
+    assert grads_nonfinite(clean).tolist() == [0.0] == any_nonfinite(clean).tolist()
+    for t, b in zip(clean, before):                      # the same bits: -0 stays -0, subnormals stay
+        if t.is_sparse:
+            assert torch.equal(t.to_dense(), b.to_dense())
+        else:
+            assert torch.equal(t.detach().reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    assert grads_nonfinite([]).tolist() == [0.0]
+    for i in (0, 1, 3, 4, 5, 7, 8):                       # one bad element in any tensor, any dtype, sparse or in a graph
+        gs = grads()
+        t = gs[i]
+        if t.is_sparse:
+            gs[i] = torch.sparse_coo_tensor([[0, 7]], torch.tensor([1.0, bad]), (9,))
+        else:
+            with torch.no_grad():
+                t[tuple(s // 2 for s in t.shape)] = bad
+        assert grads_nonfinite(gs).tolist() == [1.0] == any_nonfinite(gs).tolist(), i
 
 
 def test_break_even_rule():

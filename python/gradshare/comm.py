@@ -42,7 +42,7 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -441,6 +441,36 @@ def any_nonfinite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         if bool(torch.isfinite(sums).all()):
             return torch.zeros(1)
     return (~torch.stack([torch.isfinite(t).all() for t in ts])).any().float().reshape(1)
+
+
+_CHECKED_BY_SCALER_KERNEL = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def grads_nonfinite(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """:func:`any_nonfinite` of gradients, in one multi-tensor pass per device and dtype: torch's GradScaler
+    kernel, as ``GradScaler.unscale_`` runs it on them, with a scale of 1 (each value is written back as it is,
+    NaN, Inf, -0 and subnormals included). A model of many small tensors paid one sum per tensor for the
+    test (50 tensors: 0.28 ms against 0.07 on one CPU core; on a GPU, two kernels per tensor against one per
+    group). What that kernel does not take goes through :func:`any_nonfinite`: sparse gradients, a gradient
+    that is part of a graph (``create_graph=True``: no in-place write may touch it), other dtypes."""
+    groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+    rest = []
+    for g in grads:
+        if g.is_sparse or g.requires_grad or g.dtype not in _CHECKED_BY_SCALER_KERNEL:
+            rest.append(g)
+        else:
+            groups.setdefault((g.device, g.dtype), []).append(g)
+    flags = [any_nonfinite(rest)] if rest else []
+    for (device, _), ts in groups.items():
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(ts, found, torch.ones(1, dtype=torch.float32, device=device))
+        flags.append(found)
+    if not flags:
+        return torch.zeros(1)
+    if len(flags) == 1:
+        return flags[0]
+    device = flags[0].device
+    return torch.stack([f.to(device).reshape(()) for f in flags]).amax().reshape(1)
 
 
 def _make(update, residual, tau, encoder, clip, format, step, out, group, average, fallback, backup, nonfinite,

@@ -567,6 +567,11 @@ class GlobalBatchStep:
         (the step's change, before - after, which ``target`` may be) or, with ``sign`` -1, ``target`` -= it
         (the parameters after the step). Adam, AdamW, NAdam and RAdam in one native pass over memory (``batch``:
         added to it, for :func:`gradshare.ops.global_batch_steps`; :meth:`apply_all` runs them)."""
+        self._apply(p, group, world, target, change, sign, batch)
+
+    def _apply(self, p: torch.Tensor, group: Dict[str, Any], world: int, target: torch.Tensor,
+               change: Optional[torch.Tensor], sign: float, batch: Optional[List[Tuple]]) -> None:
+        """:meth:`apply`, under the caller's ``torch.no_grad()`` (entered once for a whole bucket by :meth:`apply_all`)."""
         st = self.optimizer.state.get(p) if self.kind is not None else None
         if not st or world <= 1 or p.grad is None:
             return
@@ -586,7 +591,7 @@ class GlobalBatchStep:
             return
         batch: List[Tuple] = []
         for p, group, target, change in items:
-            self.apply(p, group, world, target, change=change, sign=sign, batch=batch)
+            self._apply(p, group, world, target, change, sign, batch)
         ops.global_batch_steps(batch)
 
     @torch.no_grad()

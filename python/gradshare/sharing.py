@@ -994,7 +994,7 @@ class Sharing:
 
     def _grads_flag(self) -> torch.Tensor:
         grads = [p.grad for b in self.buckets for p in b.params if p.grad is not None]
-        return comm.any_nonfinite(grads).to(self.device)
+        return comm.grads_nonfinite(grads).to(self.device)
 
     def grads_nonfinite(self) -> bool:
         """Whether this rank's gradients hold a NaN or Inf (local: no collective)."""
