@@ -200,6 +200,21 @@ void rescale_many(const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>
   }
 }
 
+bool scale_into(const std::vector<uintptr_t>& dsts, const std::vector<uintptr_t>& srcs, const std::vector<int64_t>& ns,
+                float scale) {
+  if (dsts.size() != ns.size() || srcs.size() != ns.size()) {
+    throw std::invalid_argument("scale_into: one destination, one source and one size per tensor");
+  }
+  std::vector<float*> d(dsts.size());
+  std::vector<const float*> s(srcs.size());
+  for (size_t i = 0; i < ns.size(); ++i) {
+    d[i] = ptr<float>(dsts[i]);
+    s[i] = ptr<const float>(srcs[i]);
+  }
+  py::gil_scoped_release nogil;
+  return gs::scale_into_cpu(d.data(), s.data(), ns.data(), (int64_t)ns.size(), scale);
+}
+
 void rescale_tracked(int32_t kind, uintptr_t grad, uintptr_t change, uintptr_t after, uintptr_t second,
                      uintptr_t grad_avg, uintptr_t mean, uintptr_t extra, uintptr_t signal, uintptr_t target,
                      int64_t n, float world, float inv_world, float grad_sign, float weight_decay, float decay,
@@ -290,6 +305,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("signal_bias"), py::arg("cuda"), py::arg("stream"));
   m.def("rescale_many", &rescale_many, py::arg("ptrs"), py::arg("ns"), py::arg("scalars"), py::arg("cuda"),
         py::arg("stream"));
+  m.def("scale_into", &scale_into, py::arg("dsts"), py::arg("srcs"), py::arg("ns"), py::arg("scale"));
   m.def("rescale_tracked", &rescale_tracked, py::arg("kind"), py::arg("grad"), py::arg("change"), py::arg("after"),
         py::arg("second"), py::arg("grad_avg"), py::arg("mean"), py::arg("extra"), py::arg("signal"), py::arg("target"),
         py::arg("n"), py::arg("world"), py::arg("inv_world"), py::arg("grad_sign"), py::arg("weight_decay"),

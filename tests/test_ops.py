@@ -295,6 +295,57 @@ def test_global_batch_steps_refuse_operands_that_do_not_fit_and_write_nothing():
         assert_bits_equal(c[2], b)
 
 
+def _scale_case(bad_at=None, bad=float("nan")):
+    """Sources (sizes 0 to past a parallel chunk, subnormals, -0, the largest float) and their destinations."""
+    g = torch.Generator().manual_seed(5)
+    srcs = [torch.randn(n, generator=g) for n in (17, 0, 2 * CHUNK + 1, 1, BIG)]
+    srcs[0][:4] = torch.tensor([-0.0, 1e-40, -3e-39, torch.finfo(torch.float32).max])
+    if bad_at is not None:
+        srcs[bad_at[0]][bad_at[1]] = bad
+    return [torch.full_like(x, 7.0) for x in srcs], srcs
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_scale_into_is_the_scaled_copy_and_its_check(native, monkeypatch, threads):
+    """The all-reduced sum scaled to the mean straight into the gradients: the same bits as src * scale in
+    float32 (the reference), the check of what was written, with the native library and without."""
+    if not native:
+        monkeypatch.setattr(gradshare._native, "available", lambda: False)
+    for t in (1, 2):
+        threads(t)
+        for scale in (0.5, 1.0 / 3.0, 1.0):
+            dsts, srcs = _scale_case()
+            before = [x.clone() for x in srcs]
+            assert ops.scale_into(dsts, srcs, scale).tolist() == [0.0]
+            for d, x, b in zip(dsts, srcs, before):
+                assert_bits_equal(d, x * np.float32(scale))
+                assert_bits_equal(x, b)                       # the sources are only read
+        for where in ((0, 16), (2, CHUNK + 3), (4, BIG - 1), (3, 0)):
+            for bad in (float("nan"), float("inf"), float("-inf")):
+                dsts, srcs = _scale_case(where, bad)
+                assert ops.scale_into(dsts, srcs, 0.5).tolist() == [1.0], (where, bad)
+                assert_bits_equal(dsts[where[0]], srcs[where[0]] * np.float32(0.5))
+    dsts, srcs = _scale_case()
+    assert ops.scale_into(srcs, srcs, 0.25).tolist() == [0.0]      # in place: each its own source
+    assert_bits_equal(srcs[2], _scale_case()[1][2] * np.float32(0.25))
+    assert ops.scale_into([], [], 0.5).tolist() == [0.0]
+
+
+def test_scale_into_takes_other_layouts_and_refuses_what_does_not_fit():
+    src = torch.randn(6, 4)
+    dst = torch.zeros(4, 6).t()                                    # a strided gradient: the reference writes it
+    assert ops.scale_into([dst], [src.reshape(-1)], 0.5).tolist() == [0.0]
+    assert_bits_equal(dst.contiguous(), src * np.float32(0.5))
+    dst = torch.zeros(5)
+    for dsts, srcs, scale, what in (([dst], [torch.ones(6)], 0.5, "5 elements"),
+                                    ([dst.double()], [torch.ones(5).double()], 0.5, "float32"),
+                                    ([dst], [torch.ones(5), torch.ones(5)], 0.5, "1 destinations for 2"),
+                                    ([dst], [torch.ones(5)], float("inf"), "finite")):
+        with pytest.raises(ValueError, match=what):
+            ops.scale_into(dsts, srcs, scale)
+        assert not dst.any()                                       # nothing written
+
+
 def test_global_batch_step_threads_agree(threads):
     m, v, kw = global_batch_step_case("adam", BIG, seed=9)
     out = []

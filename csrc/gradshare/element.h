@@ -44,6 +44,14 @@ GS_HD bool is_finite(float x) {
   return (float_to_bits(x) & 0x7f800000) != 0x7f800000;
 }
 
+// The mean of an all-reduced sum, written where it is read next (a rank's gradient): *dst = src * scale.
+// Whether that value is finite (NaN or Inf in any rank's gradient shows in the sum).
+GS_HD bool scale_element(float src, float scale, float* dst) {
+  const float v = src * scale;
+  *dst = v;
+  return is_finite(v);
+}
+
 // One step of Strom's threshold rule. u = residual + update.
 // Returns +1 / -1 when u reaches +tau / -tau (and subtracts it), 0 otherwise; *kept is the new residual.
 // `clip` > 0 limits the kept residual to [-clip, clip] (clip = c * tau, computed once by the caller).

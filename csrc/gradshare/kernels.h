@@ -122,6 +122,10 @@ struct TrackedTensors {
 // target[i] +-= tracked_excess of element i, updating mean, extra and signal.
 void rescale_tracked_cpu(const TrackedTensors& t, int64_t n, const TrackedArgs& a);
 
+// dsts[j][i] = srcs[j][i] * scale for each of the k pairs (ns[j] floats each; a dst may be its own src, and
+// overlaps nothing else); returns whether any value written is NaN or Inf (element.h: scale_element).
+bool scale_into_cpu(float* const* dsts, const float* const* srcs, const int64_t* ns, int64_t k, float scale);
+
 int cpu_threads();
 void set_cpu_threads(int threads);
 bool have_openmp();

@@ -44,6 +44,9 @@ def rescale_many(ptrs: List[int], ns: List[int], scalars: List[float], cuda: boo
     """rescale for each item in turn: ptrs holds 6 addresses per item (exp_avg, exp_avg_sq, change, after, signal,
     target), ns its element count, scalars 9 floats per item in rescale's order (bias1 ... signal_bias)."""
 
+def scale_into(dsts: List[int], srcs: List[int], ns: List[int], scale: float) -> bool:
+    """dsts[j][i] = srcs[j][i] * scale (float32, ns[j] each, CPU); whether any value written is NaN or Inf."""
+
 def rescale_tracked(kind: int, grad: int, change: int, after: int, second: int, grad_avg: int, mean: int, extra: int,
                     signal: int, target: int, n: int, world: float, inv_world: float, grad_sign: float,
                     weight_decay: float, decay: float, mean_weight: float, mean_bias: float, offset: float,

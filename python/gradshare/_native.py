@@ -108,6 +108,13 @@ def rescale_many(steps) -> None:
         _C.rescale_many(ptrs, ns, scalars, t.is_cuda, _stream(t))
 
 
+def scale_into(dsts, srcs, scale: float) -> bool:
+    """dst = src * scale for each pair of contiguous float32 CPU tensors of equal size, one native call; whether
+    any value written is NaN or Inf."""
+    return _C.scale_into([d.data_ptr() for d in dsts], [s.data_ptr() for s in srcs], [d.numel() for d in dsts],
+                         float(scale))
+
+
 def rescale_tracked(kind, grad, change, after, second, grad_avg, mean, extra, signal, target, scalars) -> None:
     """target +-= the tracked step's excess, mean, extra and signal updated (csrc/gradshare/element.h: tracked_excess);
     tensors may be None (0), ``scalars`` the floats of gs::TrackedArgs in their order."""

@@ -749,6 +749,37 @@ def global_batch_steps(steps: Sequence[Tuple]) -> None:
              *(float(x) for x in s[6:]))
 
 
+def scale_into(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], scale: float) -> torch.Tensor:
+    """``dst = src * scale`` for each pair, and whether any value written is NaN or Inf: a 1-element float32
+    tensor on their device, 1.0 if so. For the sharing core, which scales an all-reduced sum to the mean straight
+    into the gradients: one pass over memory where scaling the sum in place and copying it out took two. Every
+    tensor float32, on one device, each pair of one size (shapes may differ); a dst may be its own src, and
+    overlaps no other operand by the caller's construction (aliasing decides values, never where a write
+    lands). One native call on the CPU where every tensor is contiguous; the reference otherwise (GPUs: torch's
+    fused elementwise kernels), with the same bits."""
+    if len(dsts) != len(srcs):
+        raise ValueError(f"scale_into: {len(dsts)} destinations for {len(srcs)} sources")
+    if not dsts:
+        return torch.zeros(1)
+    s = float(scale)
+    if not math.isfinite(s):
+        raise ValueError(f"scale: must be finite, got {scale}")
+    device = dsts[0].device
+    plain = True
+    for d, src in zip(dsts, srcs):
+        for t in (d, src):
+            if t.dtype != torch.float32 or t.device != device:
+                raise ValueError("scale_into: every tensor float32 and on one device; got "
+                                 f"{t.dtype} on {t.device} with the first on {device}")
+            plain = plain and type(t) is torch.Tensor and t.is_contiguous()
+        if d.numel() != src.numel():
+            raise ValueError(f"scale_into: a destination of {d.numel()} elements for a source of {src.numel()}")
+    if plain and device.type == "cpu" and _native.available() and not torch.compiler.is_compiling() \
+            and not torch._C._is_torch_function_mode_enabled():
+        return torch.full((1,), float(_native.scale_into(dsts, srcs, s)))
+    return reference.scale_into(dsts, srcs, s)
+
+
 def global_batch_step_tracked(grad: ArrayLike, change: ArrayLike, mean: ArrayLike, target: ArrayLike, *, kind: str,
                               world: int, second: Optional[ArrayLike] = None, grad_avg: Optional[ArrayLike] = None,
                               extra: Optional[ArrayLike] = None, after: Optional[ArrayLike] = None,

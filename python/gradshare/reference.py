@@ -566,6 +566,16 @@ def average(buffers: Sequence[torch.Tensor], weights: Optional[Sequence[float]] 
     return acc
 
 
+def scale_into(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], scale: float) -> torch.Tensor:
+    """dst = src * scale (float32) for each pair; a 1-element float32 tensor on their device, 1 where any value
+    written is NaN or Inf."""
+    bad = []
+    for d, s in zip(dsts, srcs):
+        torch.mul(s.reshape(d.shape), _f32(scale), out=d)
+        bad.append(~torch.isfinite(d).all())
+    return torch.stack(bad).any().float().reshape(1) if bad else torch.zeros(1)
+
+
 def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
     """The float32 square root rounded to nearest, as IEEE and the kernels round it (torch's own CPU sqrt may
     be an ulp off: it takes the float64 root, exact before its one rounding to float32)."""

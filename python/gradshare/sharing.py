@@ -67,7 +67,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from gradshare import comm, momentum_masking as masking, optimizer_state, second_moment
+from gradshare import comm, momentum_masking as masking, ops, optimizer_state, second_moment
 from gradshare.comm import ExchangeResult, NonFiniteStepError, exchange_async
 from gradshare.compression import Compression, Dense, as_compression, for_optimizer
 from gradshare.costmodel import Link, ring_allreduce_bytes
@@ -264,6 +264,12 @@ class Bucket:
             return
         for (p, r), (_, s) in zip(self.views(self.residual), self.views(self.snapshot)):
             torch.sub(s, r, out=p.detach())
+
+    def grads_float32(self, present: Sequence[bool]) -> bool:
+        """Whether every parameter has a dense float32 gradient here and on some rank (``present``): then
+        gradients can be written from a float32 buffer in place (gradshare.ops.scale_into)."""
+        return all(present) and all(p.grad is not None and p.grad.dtype == torch.float32 and not p.grad.is_sparse
+                                    and p.grad.device == self.device for p in self.params)
 
     def set_grads(self, flat: torch.Tensor, present: Optional[Sequence[bool]] = None) -> None:
         """Gradients from ``flat``. A parameter whose entry in ``present`` is False had no gradient on any
@@ -1112,13 +1118,16 @@ class Sharing:
         bad = []
         for i, (b, w) in enumerate(zip(self.buckets, works)):   # the sum scaled to the mean in the pass that checks it
             w.wait()
+            present = (b.buffer[b.n:] > 0).tolist()
             if half:
                 b.buffer.copy_(messages[i])
                 bad.append(comm.any_nonfinite([b.flat]))
+            elif b.grads_float32(present):             # and written straight into the gradients
+                bad.append(ops.scale_into([p.grad for p in b.params], b._slices(b.flat), 1.0 / world))
                 continue
-            bad.append(comm.scale_nonfinite(b.flat, 1.0 / world))
-        for b in self.buckets:
-            b.set_grads(b.flat, (b.buffer[b.n:] > 0).tolist())
+            else:
+                bad.append(comm.scale_nonfinite(b.flat, 1.0 / world))
+            b.set_grads(b.flat, present)
         if bad and bool(torch.cat(bad).any()):
             if self.nonfinite == "raise":
                 raise NonFiniteStepError(self.step, [], [], "mean gradient")
