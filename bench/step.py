@@ -13,7 +13,8 @@ per version (``PYTHONPATH=<its python dir>``) and compare the ratios.
 ``--rounds R`` times the contenders in turns, R rounds of ``--steps`` steps each (every contender built and warmed
 up first), so that a machine whose speed drifts during the run moves them alike; the ratio is then the median of
 the rounds' ratios. ``--workload mnist_cnn`` times gradshare.models.SmallCNN (106k parameters), whose step is
-short enough that what gradshare adds per step in Python shows; ``--workload char_lm`` the 503k-parameter
+short enough that what gradshare adds per step in Python shows (``ddp_python_hook``, torch's own all-reduce hook in
+Python, shows what any comm hook's all-reduce costs against DDP's built-in one); ``--workload char_lm`` the 503k-parameter
 transformer LM with AdamW (about 50 tensors: what gradshare does once per parameter shows).
 
     python bench/step.py --repeat 3
@@ -35,10 +36,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # After the installed packages: bench/kernels.py must not hide Hugging Face's `kernels`, which transformers imports.
 sys.path.append(HERE)
 
-CONTENDERS = ("ddp", "gradshare", "gradshare_optimizer", "gradshare_hook_gradients", "gradshare_hook_momentum",
-              "gradshare_unmasked")
+CONTENDERS = ("ddp", "ddp_python_hook", "gradshare", "gradshare_optimizer", "gradshare_hook_gradients",
+              "gradshare_hook_momentum", "gradshare_unmasked")
 DESCRIPTIONS = {
     "ddp": "DDP allreduce",
+    "ddp_python_hook": "DDP + torch's own allreduce_hook (a comm hook in Python: what any Python hook's all-reduce costs)",
     "gradshare": "DDP + threshold_hook, ThresholdState(optimizer=opt) (updates shared; the README's one line)",
     "gradshare_optimizer": "SharedOptimizer(opt) (updates shared)",
     "gradshare_hook_gradients": "DDP + threshold_hook, ThresholdState() (gradients shared)",
@@ -107,6 +109,9 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
         if state is not None:
             ddp.register_comm_hook(state, gs.threshold_hook)
             fronts[name] = state
+        elif name == "ddp_python_hook":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
         return ddp, opt
 
     fronts = {}                          # each gradshare contender's sharing front: its statistics

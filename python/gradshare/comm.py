@@ -452,11 +452,12 @@ def grads_nonfinite(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     NaN, Inf, -0 and subnormals included). A model of many small tensors paid one sum per tensor for the
     test (50 tensors: 0.28 ms against 0.07 on one CPU core; on a GPU, two kernels per tensor against one per
     group). What that kernel does not take goes through :func:`any_nonfinite`: sparse gradients, a gradient
-    that is part of a graph (``create_graph=True``: no in-place write may touch it), other dtypes."""
+    that is part of a graph (``create_graph=True``: no in-place write may touch it), tensor subclasses, other
+    dtypes."""
     groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
     rest = []
     for g in grads:
-        if g.is_sparse or g.requires_grad or g.dtype not in _CHECKED_BY_SCALER_KERNEL:
+        if type(g) is not torch.Tensor or g.is_sparse or g.requires_grad or g.dtype not in _CHECKED_BY_SCALER_KERNEL:
             rest.append(g)
         else:
             groups.setdefault((g.device, g.dtype), []).append(g)
