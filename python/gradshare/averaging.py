@@ -63,6 +63,8 @@ many ranks.
 """
 from __future__ import annotations
 
+import itertools
+
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -375,8 +377,13 @@ class ParameterAveraging(WrappedOptimizer):
             return
         flat = self._flatten([src for src, _ in pairs])
         dist.all_reduce(flat, group=self.process_group)
-        ops.average([flat], weights=[1.0 / world], out=flat)
-        self._unflatten(flat, [dst for _, dst in pairs])
+        dsts = [dst for _, dst in pairs]
+        if all(d.dtype == torch.float32 for d in dsts):      # the sum scaled into place in one pass
+            offsets = itertools.accumulate((d.numel() for d in dsts), initial=0)
+            ops.scale_into(dsts, [flat[o:o + d.numel()] for o, d in zip(offsets, dsts)], 1.0 / world)
+        else:
+            ops.average([flat], weights=[1.0 / world], out=flat)
+            self._unflatten(flat, dsts)
         self.bytes_sent += ring_allreduce_bytes(world, flat.numel())
 
     @torch.no_grad()
