@@ -64,7 +64,6 @@ many ranks.
 from __future__ import annotations
 
 import itertools
-
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 

@@ -450,8 +450,8 @@ def grads_nonfinite(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """:func:`any_nonfinite` of gradients, in one multi-tensor pass per device and dtype: torch's GradScaler
     kernel, as ``GradScaler.unscale_`` runs it on them, with a scale of 1 (each value is written back as it is,
     NaN, Inf, -0 and subnormals included). A model of many small tensors paid one sum per tensor for the
-    test (50 tensors: 0.28 ms against 0.07 on one CPU core; on a GPU, two kernels per tensor against one per
-    group). What that kernel does not take goes through :func:`any_nonfinite`: sparse gradients, a gradient
+    test (a transformer's 54: 0.36 ms against 0.13 on one CPU core; on a GPU, two kernels per tensor against one
+    per group). What that kernel does not take goes through :func:`any_nonfinite`: sparse gradients, a gradient
     that is part of a graph (``create_graph=True``: no in-place write may touch it), tensor subclasses, other
     dtypes."""
     groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
