@@ -402,6 +402,25 @@ def test_global_batch_steps_match_cpu():
             assert_bits_equal(g[5], c[5])
 
 
+@pytest.mark.parametrize("scale", [0.5, 1.0 / 3.0, 2.0])
+def test_scale_into_matches_cpu(scale):
+    """The all-reduced sum scaled into the gradients (torch's multi-tensor kernels on the GPU, or the reference
+    for a scale above 1) writes the CPU's bits and flags what the CPU flags."""
+    g = torch.Generator().manual_seed(8)
+    srcs = [torch.randn(n, generator=g) for n in (17, 0, TILE + 3, 2**16 + 1)]
+    srcs[0][:3] = torch.tensor([-0.0, 1e-40, torch.finfo(torch.float32).max])
+    for bad_at in (None, (2, 5)):
+        src = [x.clone() for x in srcs]
+        if bad_at is not None:
+            src[bad_at[0]][bad_at[1]] = float("nan")
+        cpu_d, gpu_d = [torch.zeros_like(x) for x in src], [gpu(torch.zeros_like(x)) for x in src]
+        want = ops.scale_into(cpu_d, src, scale)
+        got = ops.scale_into(gpu_d, [gpu(x) for x in src], scale)
+        assert got.device.type == "cuda" and got.tolist() == want.tolist()
+        for a, b in zip(gpu_d, cpu_d):
+            assert_bits_equal(a, b)
+
+
 @pytest.mark.parametrize("alias", ["change", "after"])
 def test_global_batch_step_in_place_matches_cpu(alias):
     m, v, kw = global_batch_step_case("change_decay", 2 * TILE + 1, seed=3, edge=True)

@@ -325,6 +325,10 @@ def test_scale_into_is_the_scaled_copy_and_its_check(native, monkeypatch, thread
                 dsts, srcs = _scale_case(where, bad)
                 assert ops.scale_into(dsts, srcs, 0.5).tolist() == [1.0], (where, bad)
                 assert_bits_equal(dsts[where[0]], srcs[where[0]] * np.float32(0.5))
+    dsts, srcs = _scale_case()                                      # the largest float doubled: an overflow
+    assert ops.scale_into(dsts, srcs, 2.0).tolist() == [1.0]
+    assert_bits_equal(dsts[0], srcs[0] * np.float32(2.0))
+    assert ops.scale_into(dsts[1:], srcs[1:], 2.0).tolist() == [0.0]
     dsts, srcs = _scale_case()
     assert ops.scale_into(srcs, srcs, 0.25).tolist() == [0.0]      # in place: each its own source
     assert_bits_equal(srcs[2], _scale_case()[1][2] * np.float32(0.25))

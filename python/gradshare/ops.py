@@ -755,8 +755,8 @@ def scale_into(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], scale
     into the gradients: one pass over memory where scaling the sum in place and copying it out took two. Every
     tensor float32, on one device, each pair of one size (shapes may differ); a dst may be its own src, and
     overlaps no other operand by the caller's construction (aliasing decides values, never where a write
-    lands). One native call on the CPU where every tensor is contiguous; the reference otherwise (GPUs: torch's
-    fused elementwise kernels), with the same bits."""
+    lands). One native call on the CPU where every tensor is contiguous; otherwise torch's multi-tensor kernels
+    (GPUs: a fused copy, then GradScaler's fused check-and-scale) or the reference, with the same bits."""
     if len(dsts) != len(srcs):
         raise ValueError(f"scale_into: {len(dsts)} destinations for {len(srcs)} sources")
     if not dsts:
@@ -777,6 +777,14 @@ def scale_into(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], scale
     if plain and device.type == "cpu" and _native.available() and not torch.compiler.is_compiling() \
             and not torch._C._is_torch_function_mode_enabled():
         return torch.full((1,), float(_native.scale_into(dsts, srcs, s)))
+    if abs(s) <= 1.0 and all(type(t) is torch.Tensor for t in dsts) and \
+            all(type(t) is torch.Tensor and t.is_contiguous() for t in srcs):
+        # GradScaler's kernel checks each value before scaling it: with |scale| <= 1 that is the check of the result
+        torch._foreach_copy_(list(dsts), [x.view(d.shape) for x, d in zip(srcs, dsts)])
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(list(dsts), found,
+                                                         torch.full((1,), s, dtype=torch.float32, device=device))
+        return found
     return reference.scale_into(dsts, srcs, s)
 
 
