@@ -5,10 +5,12 @@ own optimizer's step on its share of the batch, and the mean of the ranks' chang
 model, as sharing updates uncompressed does (gradshare.sharing). Three ways to take a step:
 
     ddp        one optimizer on the mean gradient of the global batch (what DDP does)
-    this_step  each rank's step rescaled with v_global = m^2 + (v - m^2) / W, m^2 this step's squared first
-               moment (gradshare.second_moment.step_excess without its state; what gradshare did before)
-    gradshare  each rank's step rescaled by gradshare.second_moment.GlobalBatchStep, which takes the squared
-               mean over v's own window (an average of m^2 with beta2): what the sharing core does
+    this_step  each rank's step rescaled with the squared mean s = m^2 of this step alone (and k, the share of
+               the gradient's noise in it, this step's): gradshare.second_moment.step_excess without its state
+    gradshare  each rank's step rescaled by gradshare.second_moment.GlobalBatchStep, which averages m^2 (and
+               k) over v's own window with beta2: what the sharing core does
+
+Both take v_global = s + (v - s) * max(0, (1/W - k) / (1 - k)) (gradshare.second_moment).
 
 The model, data and schedule are bench/optimizers.py's (a 22k-parameter MLP learning a fixed random teacher, 300
 steps of a global batch of 128 under a cosine schedule), so the ``ddp`` rows repeat that benchmark's DDP figures.

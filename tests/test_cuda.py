@@ -371,13 +371,14 @@ def test_average_in_place_matches_cpu(alias, weighted):
 @pytest.mark.parametrize("form", ["adam", "change", "change_decay", "adam_signal", "change_decay_signal"])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 @pytest.mark.parametrize("world", [2, 7])
-def test_global_batch_step_matches_cpu(n, form, sign, world):
+@pytest.mark.parametrize("noise", [0.0, 0.1, 0.6])          # 0.6 > 1/W: the divisor is float32's largest
+def test_global_batch_step_matches_cpu(n, form, sign, world, noise):
     m, v, kw = global_batch_step_case(form, n, seed=n + world, world=world, edge=True)
     target = torch.randn(n)
     on_gpu = gpu(target)
     gkw = {k: (gpu(x) if torch.is_tensor(x) else x) for k, x in kw.items()}   # (copies: the op writes signal)
-    ops.global_batch_step(m, v, target, sign=sign, **kw)
-    ops.global_batch_step(gpu(m), gpu(v), on_gpu, sign=sign, **gkw)
+    ops.global_batch_step(m, v, target, sign=sign, noise=noise, **kw)
+    ops.global_batch_step(gpu(m), gpu(v), on_gpu, sign=sign, noise=noise, **gkw)
     assert_bits_equal(on_gpu, target)
     if "signal" in kw:
         assert_bits_equal(gkw["signal"], kw["signal"])
@@ -436,10 +437,12 @@ def test_global_batch_step_in_place_matches_cpu(alias):
 @pytest.mark.parametrize("n", [0, 1, 257, TILE + 3, BIG])
 @pytest.mark.parametrize("kind,variant", TRACKED_FORMS, ids=[f"{k}-{v}" for k, v in TRACKED_FORMS])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_global_batch_step_tracked_matches_cpu(n, kind, variant, sign):
+@pytest.mark.parametrize("noise", [0.0, 0.08, 0.5])         # 0.5 > 1/W: the divisor is float32's largest
+def test_global_batch_step_tracked_matches_cpu(n, kind, variant, sign, noise):
     """Target, mean gradient and extra state on the GPU, bit for bit as on the CPU (edge values too)."""
     grad, change, mean, kw = tracked_step_case(kind, variant, n, seed=n + 3, world=3, edge=True,
                                                maximize=sign < 0)
+    kw["noise"] = noise
     target = torch.randn(n)
     on_gpu = {"target": gpu(target), "mean": gpu(mean)}
     gkw = {k: (gpu(x) if torch.is_tensor(x) else x) for k, x in kw.items()}

@@ -216,6 +216,101 @@ def test_global_batch_step_matches_reference(n, form, sign, world):
 
 
 @pytest.mark.parametrize("form", GBS_FORMS)
+@pytest.mark.parametrize("world,noise", [(2, 0.05), (7, 0.1), (2, 0.5), (2, 1.0)])
+def test_global_batch_step_with_noise_matches_reference(form, world, noise):
+    """The share of noise in the squared mean (gradshare.second_moment) moves v_global down to s + (v - s) *
+    (1/W - noise) / (1 - noise), never below s (noise >= 1/W: v_global = s); bit for bit with the reference,
+    with the native library and without it, edge and non-finite values too; the steps only grow."""
+    n = 2 * CHUNK + 9
+    m, v, kw = global_batch_step_case(form, n, seed=11 + world, world=world, edge=True, nonfinite=True)
+    plain, expected, target = torch.zeros(n), torch.zeros(n), torch.zeros(n)     # each ends as its excess
+    ref_kw, op_kw, plain_kw = _cloned(kw), _cloned(kw), _cloned(kw)
+    reference.global_batch_step(m, v, expected, noise=noise, **ref_kw)
+    ops.global_batch_step(m, v, target, noise=noise, **op_kw)
+    assert_bits_equal(target, expected)
+    if "signal" in kw:
+        assert_bits_equal(op_kw["signal"], ref_kw["signal"])
+    ops.global_batch_step(m, v, plain, **plain_kw)                  # without the noise counted
+    finite = (torch.isfinite(target) & torch.isfinite(plain))[16:]
+    assert bool((target[16:][finite].abs() >= plain[16:][finite].abs() * (1 - 1e-6)).all())
+    assert not torch.equal(target[16:], plain[16:])
+    if noise >= 1.0 / world:             # v_global = s: the change's divisor is sqrt(s) + eps
+        assert reference.effective_world(world, noise) == reference.FLOAT_MAX
+
+
+def test_global_batch_steps_take_the_effective_world():
+    """The batched form takes the divisor itself (gradshare.reference.effective_world): the same bits as one call
+    with ``noise``, native and through the op's fallback."""
+    m, v, kw = global_batch_step_case("adam_signal", 1000, seed=3, world=3)
+    one, many = torch.randn(1000), None
+    many = one.clone()
+    one_kw, many_kw = _cloned(kw), _cloned(kw)
+    ops.global_batch_step(m, v, one, noise=0.08, **one_kw)
+    ops.global_batch_steps([(m, v, many, None, None, many_kw["signal"], kw["bias1"], kw["bias2"],
+                             reference.effective_world(3, 0.08), kw["eps"], kw["lr"], 0.0, 1.0, kw["signal_weight"],
+                             kw["signal_bias"])])
+    assert_bits_equal(many, one)
+    assert reference.effective_world(3, 0.0) == 3                   # exactly W without noise
+    assert reference.effective_world(2, 0.05) == pytest.approx(1 / ((0.5 - 0.05) / 0.95))
+
+
+@pytest.mark.parametrize("kind,variant", [("rmsprop", "signal"), ("adagrad", "plain"), ("rmsprop", "centered"),
+                                          ("adamax", "signal"), ("adafactor", "decay_signal")])
+@pytest.mark.parametrize("noise", [0.06, 0.9])
+def test_global_batch_step_tracked_with_noise_matches_reference(kind, variant, noise, monkeypatch):
+    """The same for the optimizers whose mean gradient gradshare keeps; Adamax's and Adafactor's floor of
+    v_global / v stays 1 / W however much noise is counted. The op's fallback passes both on."""
+    from gradshare import _native
+    n = 2 * CHUNK + 3
+    grad, change, mean, kw = tracked_step_case(kind, variant, n, seed=7, world=4, edge=True, nonfinite=True)
+    results = []
+    for run in ("reference", "native", "fallback"):
+        target, m, k = torch.randn(n, generator=torch.Generator().manual_seed(1)), mean.clone(), _cloned(kw)
+        if "extra" in k:
+            k["extra"] = k["extra"].clone()
+        if run == "reference":
+            reference.global_batch_step_tracked(grad, change, m, target, noise=noise, **k)
+        else:
+            if run == "fallback":
+                monkeypatch.setattr(_native, "available", lambda: False)
+            ops.global_batch_step_tracked(grad, change, m, target, noise=noise, **k)
+        results.append((target, m))
+    for target, m in results[1:]:
+        assert_bits_equal(target, results[0][0])
+        assert_bits_equal(m, results[0][1])
+    plain, k = torch.randn(n, generator=torch.Generator().manual_seed(1)), _cloned(kw)
+    if "extra" in k:
+        k["extra"] = k["extra"].clone()
+    ops.global_batch_step_tracked(grad, change, mean.clone(), plain, **k)
+    assert not torch.equal(results[0][0][16:], plain[16:])
+    if kind in ("adamax", "adafactor"):      # r >= 1 / sqrt(W): the step at most sqrt(W) times the rank's own
+        divided = change.clone()
+        if "decay" in variant:
+            divided = change - (kw["after"] + change) * kw["decay"]
+        excess, k = torch.zeros(n), _cloned(kw)
+        k["extra"] = k["extra"].clone()
+        ops.global_batch_step_tracked(grad, change, mean.clone(), excess, noise=noise, **k)
+        ratio = (excess / divided)[16:]
+        ok = torch.isfinite(ratio) & (divided[16:].abs() > 1e-6)
+        assert float(ratio[ok].max()) <= 4 ** 0.5 - 1 + 1e-4
+        assert float(ratio[ok].max()) > 0.5           # and reaches it where noise dominates
+
+
+@pytest.mark.parametrize("leaves_as_is", [True, False])
+def test_global_batch_step_refuses_a_noise_out_of_range(leaves_as_is):
+    m, v, kw = global_batch_step_case("adam", 10, seed=1)
+    target = torch.randn(10)
+    before = target.clone()
+    with pytest.raises(ValueError, match=r"^noise: the share of the gradient's variance in the squared mean, in "
+                                         r"\[0, 1\]; got (-0.1|1.5)"):
+        ops.global_batch_step(m, v, target, noise=-0.1 if leaves_as_is else 1.5, **kw)
+    grad, change, mean, tkw = tracked_step_case("rmsprop", "plain", 10, seed=1)
+    with pytest.raises(ValueError, match=r"^noise: "):
+        ops.global_batch_step_tracked(grad, change, mean, target, noise=float("nan"), **tkw)
+    assert torch.equal(target, before)
+
+
+@pytest.mark.parametrize("form", GBS_FORMS)
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_global_batch_step_leaves_a_step_whose_second_moment_overflows(form, sign):
     """exp_avg_sq / bias2 past float32's range: the rank's step divided by inf and so did the global batch's, so

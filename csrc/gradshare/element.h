@@ -143,7 +143,8 @@ inline float lane_tree(float* acc) {
 struct RescaleArgs {
   float bias1 = 1.0f;  // 1 - beta1^t: exp_avg / bias1 is the bias-corrected mean m
   float bias2 = 1.0f;  // 1 - beta2^t: exp_avg_sq / bias2 is the bias-corrected second moment v
-  float world = 1.0f;  // W, the ranks whose batches make the global batch
+  float world = 1.0f;  // W, the ranks whose batches make the global batch, or the divisor that stands for it
+                       // where the squared mean holds some of the noise (gradshare.reference.effective_world)
   float eps = 0.0f;    // the optimizer's eps (RAdam's already divided by sqrt(1 - beta2^t))
   float lr = 0.0f;     // Adam form only: the step's learning rate
   float decay = 0.0f;  // change form only: lr * weight_decay when the decay is decoupled (undivided), else 0
@@ -223,8 +224,8 @@ constexpr float kFloatTiny = 1.17549435e-38f;  // the smallest normal float (tor
 // Scalars of one parameter's step, rounded to float32 once by the caller.
 struct TrackedArgs {
   int32_t kind = kRmsprop;
-  float world = 1.0f;          // W
-  float inv_world = 1.0f;      // 1 / W: Adamax / Adafactor's lower bound of v_global / v
+  float world = 1.0f;          // W, or the divisor that stands for it (RescaleArgs::world)
+  float inv_world = 1.0f;      // 1 / W (the ranks): Adamax / Adafactor's lower bound of v_global / v
   float grad_sign = 1.0f;      // -1 when the optimizer maximizes
   float weight_decay = 0.0f;   // coupled (all but Adafactor): the gradient divided is grad + wd * before
   float decay = 0.0f;          // decoupled (Adafactor): lr * wd, the part of the change left undivided

@@ -318,8 +318,7 @@ def _global_batch_step_tracked_impl(grad: torch.Tensor, change: torch.Tensor, af
     if _native.available():
         _native.rescale_tracked(kind, grad, change, after, second, grad_avg, mean, extra, signal, target, scalars)
     else:
-        kw = dict(zip(TRACKED_SCALARS, scalars))
-        del kw["inv_world"]                            # the reference takes 1 / world itself
+        kw = dict(zip(TRACKED_SCALARS, scalars))       # world: the effective divisor, inv_world: 1 / W
         reference.global_batch_step_tracked(grad, change, mean, target, kind=reference.TRACKED_KINDS[kind],
                                             after=after, second=second, grad_avg=grad_avg, extra=extra,
                                             signal=signal, maximize=kw.pop("grad_sign") < 0, **kw)
@@ -662,14 +661,17 @@ def _float32_operands(given: dict, written: Sequence[str]) -> dict:
 def global_batch_step(exp_avg: ArrayLike, exp_avg_sq: ArrayLike, target: ArrayLike, *, bias1: float, bias2: float,
                       world: int, eps: float, lr: float = 0.0, change: Optional[ArrayLike] = None,
                       after: Optional[ArrayLike] = None, decay: float = 0.0, sign: float = 1.0,
-                      signal: Optional[ArrayLike] = None, signal_weight: float = 0.0, signal_bias: float = 1.0) -> None:
+                      signal: Optional[ArrayLike] = None, signal_weight: float = 0.0, signal_bias: float = 1.0,
+                      noise: float = 0.0) -> None:
     """Adds to ``target`` (``sign`` -1: subtracts) how far a rank's Adam-family step falls short of the step
     on the global batch of ``world`` ranks (gradshare.second_moment), in one pass over memory.
 
     ``exp_avg`` / ``exp_avg_sq``: the optimizer's moments (amsgrad: its running maximum), divided by ``bias1``
-    / ``bias2`` (1 - beta^t) into m and v; v_global = s + max(v - s, 0) / W with s the squared mean: m^2, or
+    / ``bias2`` (1 - beta^t) into m and v; v_global = s + max(v - s, 0) / D with s the squared mean: m^2, or
     with ``signal`` (gradshare's average of m^2 over v's window, updated here: signal += (m^2 - signal) *
-    ``signal_weight``) signal / ``signal_bias``. Without ``change`` (Adam,
+    ``signal_weight``) signal / ``signal_bias``; D = W where s holds none of the gradient's noise, and
+    gradshare.reference.effective_world(W, ``noise``) where it holds the share ``noise`` (in [0, 1]) of its
+    variance. Without ``change`` (Adam,
     AdamW) the excess is lr * m * (1 / (sqrt(v_global) + eps) - 1 / (sqrt(v) + eps)); with it (NAdam, RAdam:
     the step's change, before - after) it is the change less ``decay`` (lr * weight decay, when decoupled)
     times the parameters before the step (``after`` + change), times (sqrt(v) + eps) / (sqrt(v_global) + eps)
@@ -704,26 +706,34 @@ def global_batch_step(exp_avg: ArrayLike, exp_avg_sq: ArrayLike, target: ArrayLi
             raise ValueError(f"{n}: must be finite, got {x}")
     if not (0.0 < float(bias1) <= 1.0 and 0.0 < float(bias2) <= 1.0):
         raise ValueError(f"bias1, bias2: 1 - beta^t lies in (0, 1], got {bias1}, {bias2}")
-    if isinstance(world, bool) or not isinstance(world, (int, np.integer)) or world < 1:
-        raise ValueError(f"world: a number of ranks >= 1, got {world!r}")
+    _check_world(world, noise)
     if float(eps) < 0.0:
         raise ValueError(f"eps: must be >= 0, got {eps}")
     if sign not in (1.0, -1.0):
         raise ValueError(f"sign: +1 (add) or -1 (subtract), got {sign}")
     flat = {n: t.view(-1) for n, t in ts.items()}
     _run(_global_batch_step_op, _global_batch_step_impl, flat["exp_avg"], flat["exp_avg_sq"], flat["target"],
-         flat.get("change"), flat.get("after"), flat.get("signal"), float(bias1), float(bias2), float(world),
-         float(eps), float(lr), decay, sign, signal_weight, signal_bias)
+         flat.get("change"), flat.get("after"), flat.get("signal"), float(bias1), float(bias2),
+         float(reference.effective_world(world, float(noise))), float(eps), float(lr), decay, sign, signal_weight,
+         signal_bias)
+
+
+def _check_world(world: int, noise: float) -> None:
+    if isinstance(world, bool) or not isinstance(world, (int, np.integer)) or world < 1:
+        raise ValueError(f"world: a number of ranks >= 1, got {world!r}")
+    if not 0.0 <= float(noise) <= 1.0:
+        raise ValueError(f"noise: the share of the gradient's variance in the squared mean, in [0, 1]; got {noise}")
 
 
 def global_batch_steps(steps: Sequence[Tuple]) -> None:
-    """:func:`global_batch_step` for each of several parameters, in one native call: a model of many small
-    tensors (a transformer's norms and biases) spent more per parameter on the call than on its pass over memory.
-    For gradshare.second_moment, which builds the operands from an optimizer's state: each step is the
-    implementation's positional arguments (exp_avg, exp_avg_sq, target, change, after, signal, bias1, bias2, world,
-    eps, lr, decay, sign, signal_weight, signal_bias). What memory safety needs is checked here (float32,
-    contiguous, one device, equal sizes); the ranges and aliasing that :func:`global_batch_step` checks for a
-    user's operands hold by the caller's construction. Bit for bit as one :func:`global_batch_step` per step."""
+    """:func:`global_batch_step` for each of several parameters, in one native call: a model of many small tensors (a
+    transformer's norms and biases) spent more per parameter on the call than on its pass over memory. For
+    gradshare.second_moment, which builds the operands from an optimizer's state: each step is the implementation's
+    positional arguments (exp_avg, exp_avg_sq, target, change, after, signal, bias1, bias2, world, eps, lr, decay,
+    sign, signal_weight, signal_bias), ``world`` the effective divisor (gradshare.reference.effective_world). What
+    memory safety needs is checked here (float32, contiguous, one device, equal sizes); the ranges and aliasing that
+    :func:`global_batch_step` checks for a user's operands hold by the caller's construction. Bit for bit as one
+    :func:`global_batch_step` per step."""
     if not steps:
         return
     device = steps[0][2].device
@@ -796,7 +806,7 @@ def global_batch_step_tracked(grad: ArrayLike, change: ArrayLike, mean: ArrayLik
                               scale: float = 1.0, count: float = 1.0, eps: float = 0.0, momentum: float = 0.0,
                               lr: float = 0.0, square_weight: float = 0.0, square_bias: float = 1.0,
                               signal: Optional[ArrayLike] = None, signal_weight: float = 0.0, signal_bias: float = 1.0,
-                              sign: float = 1.0) -> None:
+                              sign: float = 1.0, noise: float = 0.0) -> None:
     """Adds to ``target`` (``sign`` -1: subtracts) how far a rank's step of an optimizer whose mean gradient
     gradshare keeps falls short of the step on the global batch of ``world`` ranks (gradshare.second_moment),
     in one pass over memory; ``mean``, ``extra`` and ``signal`` (gradshare's state) are updated.
@@ -811,7 +821,8 @@ def global_batch_step_tracked(grad: ArrayLike, change: ArrayLike, mean: ArrayLik
     ``lr``), Adamax's and Adafactor's mean square. ``signal``: None (the squared mean of v_global is this
     step's m^2) or the average of m^2 over the second moment's window, ``signal`` += (m^2 - ``signal``) *
     ``signal_weight``, read divided by ``signal_bias`` (not for Adagrad, whose running sum of m^2 is that
-    already, nor centered RMSprop, which subtracts its own mean). All float32, contiguous, of one size and device;
+    already, nor centered RMSprop, which subtracts its own mean). ``noise``: the share of the gradient's variance
+    that the squared mean holds (:func:`global_batch_step`). All float32, contiguous, of one size and device;
     ``target`` may be ``change`` or ``after`` itself, and overlaps nothing else. Bit for bit as
     gradshare.reference.global_batch_step_tracked.
     """
@@ -856,9 +867,9 @@ def global_batch_step_tracked(grad: ArrayLike, change: ArrayLike, mean: ArrayLik
                 raise ValueError(f"target: overlaps {n} at an offset; pass that very buffer or separate memory")
     if "after" in ts and ts["after"].data_ptr() == ts["change"].data_ptr() and tgt.numel():
         raise ValueError("after: the parameters after the step cannot be the change")
-    if isinstance(world, bool) or not isinstance(world, (int, np.integer)) or world < 1:
-        raise ValueError(f"world: a number of ranks >= 1, got {world!r}")
-    values = dict(world=float(world), inv_world=1.0 / float(world), grad_sign=-1.0 if maximize else 1.0,
+    _check_world(world, noise)
+    values = dict(world=float(reference.effective_world(world, float(noise))), inv_world=1.0 / float(world),
+                  grad_sign=-1.0 if maximize else 1.0,
                   weight_decay=weight_decay, decay=decay, mean_weight=mean_weight, mean_bias=mean_bias, offset=offset,
                   scale=scale, count=count, eps=eps, momentum=momentum, lr=lr, square_weight=square_weight,
                   square_bias=square_bias, sign=sign, signal_weight=signal_weight, signal_bias=signal_bias)

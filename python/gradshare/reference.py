@@ -582,9 +582,24 @@ def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
     return x.double().sqrt_().float()
 
 
+FLOAT_MAX = float(torch.finfo(torch.float32).max)
+
+
+def effective_world(world: float, noise: float = 0.0) -> float:
+    """The divisor D of v_global = s + max(v - s, 0) / D for ``world`` ranks when the squared mean s holds the
+    share ``noise`` of the gradient's variance (gradshare.second_moment: E[s] = mu^2 + noise * sigma^2, E[v] =
+    mu^2 + sigma^2, and the global batch's mu^2 + sigma^2 / W is s + (v - s) * (1/W - noise) / (1 - noise)).
+    ``world`` itself when ``noise`` is 0 (exactly); float32's largest value where noise >= 1/W, so that the
+    global batch's second moment is s, never below it; as a Python float, rounded by the kernels' caller."""
+    if noise == 0.0:
+        return world
+    keep = (1.0 / float(world) - noise) / (1.0 - noise) if noise < 1.0 else 0.0
+    return min(1.0 / keep, FLOAT_MAX) if keep > 0.0 else FLOAT_MAX
+
+
 def global_second_moment(s: torch.Tensor, v: torch.Tensor, world: float) -> torch.Tensor:
-    """v_global = s + max(v - s, 0) / W, s the squared mean of the gradient (gradshare.second_moment); ``v`` is
-    left as it is."""
+    """v_global = s + max(v - s, 0) / W, s the squared mean of the gradient (gradshare.second_moment; W: the
+    :func:`effective_world`); ``v`` is left as it is."""
     return torch.sub(v, s).clamp_min_(0.0).div_(world).add_(s)
 
 
@@ -592,10 +607,12 @@ def global_batch_step(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, target: t
                       bias2: float, world: float, eps: float, lr: float = 0.0, change: Optional[torch.Tensor] = None,
                       after: Optional[torch.Tensor] = None, decay: float = 0.0, sign: float = 1.0,
                       signal: Optional[torch.Tensor] = None, signal_weight: float = 0.0,
-                      signal_bias: float = 1.0) -> None:
+                      signal_bias: float = 1.0, noise: float = 0.0) -> None:
     """target +-= the excess of the global batch's step over a rank's own (csrc/gradshare/element.h:
     adam_excess without ``change``, change_excess with it), in float32 torch ops; ``signal`` (element.h:
-    squared_mean) updated in place."""
+    squared_mean) updated in place; ``noise``: the share of the variance the squared mean holds
+    (:func:`effective_world`)."""
+    world = effective_world(world, noise)
     m = exp_avg.float() / bias1
     v = exp_avg_sq.float() / bias2
     if signal is None:
@@ -650,14 +667,19 @@ def global_batch_step_tracked(grad: torch.Tensor, change: torch.Tensor, mean: to
                               scale: float = 1.0, count: float = 1.0, eps: float = 0.0, momentum: float = 0.0,
                               lr: float = 0.0, square_weight: float = 0.0, square_bias: float = 1.0,
                               signal: Optional[torch.Tensor] = None, signal_weight: float = 1.0,
-                              signal_bias: float = 1.0, sign: float = 1.0) -> None:
+                              signal_bias: float = 1.0, sign: float = 1.0, noise: float = 0.0,
+                              inv_world: Optional[float] = None) -> None:
     """target +-= the excess of the global batch's step over a rank's own for an optimizer whose mean gradient
     gradshare keeps, ``mean``, ``extra`` and ``signal`` (float32) updated in place (csrc/gradshare/element.h:
-    tracked_inputs and tracked_excess), in float32 torch ops; the keywords of gradshare.ops.global_batch_step_tracked."""
+    tracked_inputs and tracked_excess), in float32 torch ops; the keywords of gradshare.ops.global_batch_step_tracked.
+    ``inv_world``: Adamax's / Adafactor's floor of v_global / v, 1 / ``world`` unless given (by a caller whose
+    ``world`` is the :func:`effective_world` already)."""
     flat = lambda t: None if t is None else t.float().reshape(-1).clone()
     ch, ga = flat(change), flat(grad_avg)
     g = flat(grad) * (-1.0 if maximize else 1.0)
-    inv_world = 1.0 / float(world)
+    if inv_world is None:
+        inv_world = 1.0 / float(world)
+    world = effective_world(world, noise)
     divided = ch
     if (decay if kind == "adafactor" else weight_decay) != 0.0:
         before = flat(after) + ch

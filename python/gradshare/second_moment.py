@@ -12,16 +12,26 @@ compressed sharing showed.
 gradshare rescales the Adam part of each rank's step to the second moment the global batch would have,
 estimated from the rank's own bias-corrected moments m and v:
 
-    v_global = s + max(v - s, 0) / W
+    v_global = s + max(v - s, 0) * max(0, (1/W - k) / (1 - k))
 
-(s estimates the squared mean of the gradient that v holds, v - s its variance over steps, which a W-times
-larger batch divides by W). s is the average of m^2 over v's own window: an exponential average with the
+For gradients of mean mu and independent noise of variance sigma^2, v estimates mu^2 + sigma^2 and the
+global batch's second moment is mu^2 + sigma^2 / W. s, the squared mean, estimates mu^2 + k sigma^2: m is an
+average of a few noisy gradients, and its square keeps k of their variance (:func:`mean_noise`: 1/19 for
+beta1 = 0.9 once m has warmed up, 1 at the first step, when m is the gradient). Solving for mu^2 and sigma^2
+gives the rule above, unbiased; with k = 0 it is s + (v - s) / W, which counted m's own noise as signal and
+put v_global 5% too high with 2 ranks and 37% with 8 where noise dominates (steps 3% and 15% shorter than DDP's;
+tests/test_second_moment.py). Where k >= 1/W (the first steps; more ranks than 1/k) v_global is s: never
+below the squared mean, and still no smaller than the global batch's on average. The kernels take it as
+v_global = s + max(v - s, 0) / D with D = gradshare.reference.effective_world(W, k).
+
+s is the average of m^2 over v's own window: an exponential average with the
 optimizer's beta2, bias-corrected, kept per parameter by :class:`GlobalBatchStep` (one float per element,
 saved in gradshare's checkpoints). m alone averages over about 1 / (1 - beta1) steps (10) where v averages over
 up to 1 / (1 - beta2) (1000): where the gradient's mean has grown over v's window, m^2 overstates what v
 holds of it, v_global comes out too large and the shared steps fall short of DDP's (RAdam, whose
 rectification holds back its first steps: 6% of loss on bench/optimizers.py, uncompressed; README, "Every
-optimizer torch ships"). Without that state (:func:`step_excess` called alone) s is this step's m^2. A step
+optimizer torch ships"); k is averaged over the same window (``squared_mean_noise``, one float per parameter).
+Without that state (:func:`step_excess` called alone) s is this step's m^2 and k its share. A step
 -lr * m / (sqrt(v) + eps) becomes -lr * m / (sqrt(v_global) + eps): the same
 where the gradient's sign is steady, up to sqrt(W) larger where noise dominates, as in DDP. With one rank
 v_global = v and nothing changes. Weight decay (decoupled or not) and the learning rate of the moment (a
@@ -53,7 +63,12 @@ own second moment in bias-corrected form (RMSprop's and Adadelta's ``square_avg`
 ``sum`` less its initial value, / t) and s the squared mean (as for Adam, the average of m^2 over v's own
 window: RMSprop's alpha, Adadelta's rho; for Adagrad, whose sum never forgets, the mean of m^2 over its steps;
 centered RMSprop's own ``grad_avg``, bias-corrected, squared, since that is what it subtracts), capped at v,
-v_global = s + (v - s) / W, converted back to the optimizer's units. The
+v_global = s + (v - s) * max(0, (1/W - k) / (1 - k)) with k the share of noise in s (averaged over the window
+as s is; centered RMSprop's from its alpha), converted back to the optimizer's units. Adagrad keeps k = 0:
+its sum weighs every step of the run alike, so its s and v are dominated by the first steps, whose gradients
+are large and whose mean moves fast within m's window; there m^2 understates the signal already, and counting
+k as well made its steps too long (bench/optimizers.py, 3 seeds: +2.4% to +4.8% of DDP's training loss, where
+k = 0 ends -0.8% to +0.4%). The
 step then divides by v_global where the optimizer divided by v: sqrt(v) + eps (RMSprop; centered:
 sqrt(v - grad_avg^2) + eps), sqrt(sum) + eps (Adagrad), sqrt(v + eps) (Adadelta, whose numerator, the
 running size of its own steps, is left as it is). RMSprop's momentum buffer accumulates the step's divided
@@ -70,6 +85,10 @@ r times the rank's (for Adamax's running maximum of |g| as for a root mean squar
 Those moments follow the rank's own gradients only, so an all-reduced phase leaves r as it was, and the
 switch to it and back multiplies and divides the optimizer's state by the same r (Adamax's ``exp_inf``;
 Adafactor's ``variance`` by r^2, or its column factor by the mean of r^2).
+
+The conversions of the optimizer's state between a rank's own second moment and the global batch's (below)
+take k = 0, so that each is exactly the other's inverse whatever k is; they run only where the exchange
+changes path.
 
 Optimizers gradshare does not know share their steps as they are.
 
@@ -185,17 +204,41 @@ def _keeps_squared_mean(kind: str, group: Dict[str, Any], state: Dict[str, Any])
     return kind != "adagrad" and not (kind == "rmsprop" and group.get("centered") and state.get("grad_avg") is not None)
 
 
+def mean_noise(beta: float, bias: float) -> float:
+    """The share of the gradient's variance that the square of its bias-corrected exponential average m holds:
+    E[m^2] = mu^2 + k sigma^2 for gradients of mean mu and independent noise of variance sigma^2, with k =
+    (1 - beta) / (1 + beta) * (1 + beta^t) / (1 - beta^t) after t steps (``bias`` = 1 - beta^t): 1 at the first
+    step (m is the gradient), (1 - beta) / (1 + beta) later (Adam's beta1 = 0.9: 1/19)."""
+    return (1.0 - beta) / (1.0 + beta) * (2.0 - bias) / bias
+
+
+def _noise_average(aux: Dict[str, Any], noise: float, weight: float, steps: int, bias: Callable[[int], float]) -> float:
+    """The average share of noise (:func:`mean_noise`) in the squared mean ``aux`` keeps, updated with this step's
+    ``noise`` at ``weight``, the squared mean's own average (its ``steps``-th step, ``bias``: its correction).
+    A squared mean kept without it (a checkpoint from before it was kept) counts its earlier steps at ``noise``."""
+    held = aux.get("squared_mean_noise")
+    if held is None:
+        held = noise * bias(steps - 1) if steps > 1 else 0.0
+    held = held + (noise - held) * weight
+    aux["squared_mean_noise"] = held
+    return min(max(held / bias(steps), 0.0), 1.0)
+
+
 def _with_squared_mean(args: Dict[str, Any], kind: str, group: Dict[str, Any], p: torch.Tensor,
-                       aux: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+                       aux: Optional[Dict[str, Any]], noise: float) -> Dict[str, Any]:
     """``args`` with the average of m^2 over the second moment's window that ``aux`` keeps (module docstring:
-    the squared mean), counting this step; as they are without ``aux``."""
+    the squared mean), counting this step, and the share of noise it holds (``noise``: this step's m^2's,
+    :func:`mean_noise`); without ``aux``, this step's m^2 and ``noise``."""
     if aux is None:
-        return args
+        return dict(args, noise=noise)
     if aux.get("squared_mean") is None:
-        aux.update(squared_mean=torch.zeros(p.numel(), dtype=torch.float32, device=p.device), squared_mean_steps=0)
+        aux.update(squared_mean=torch.zeros(p.numel(), dtype=torch.float32, device=p.device), squared_mean_steps=0,
+                   squared_mean_noise=0.0)
     aux["squared_mean_steps"] += 1
-    weight, bias = _window(kind, group)(aux["squared_mean_steps"])
-    return dict(args, signal=aux["squared_mean"], signal_weight=weight, signal_bias=bias)
+    window = _window(kind, group)
+    weight, bias = window(aux["squared_mean_steps"])
+    noise = _noise_average(aux, noise, weight, aux["squared_mean_steps"], lambda k: window(k)[1])
+    return dict(args, signal=aux["squared_mean"], signal_weight=weight, signal_bias=bias, noise=noise)
 
 
 def _catch_up(group: Dict[str, Any], aux: Optional[Dict[str, Any]], exp_avg: torch.Tensor, bias1: float,
@@ -214,6 +257,11 @@ def _catch_up(group: Dict[str, Any], aux: Optional[Dict[str, Any]], exp_avg: tor
     d = float(group["betas"][1]) ** k
     m = exp_avg.detach().float().reshape(-1) / bias1
     aux["squared_mean"].mul_(d).add_(m * m, alpha=1.0 - d)
+    noise = mean_noise(float(group["betas"][0]), bias1)
+    held = aux.get("squared_mean_noise")
+    if held is None:
+        held = noise * (1.0 - float(group["betas"][1]) ** aux["squared_mean_steps"])
+    aux["squared_mean_noise"] = held * d + noise * (1.0 - d)
     aux["squared_mean_steps"] += k
     aux["squared_mean_at"] = int(t)
 
@@ -238,7 +286,7 @@ def _observe(kind: str, group: Dict[str, Any], state: Dict[str, Any], aux: Dict[
     if kind == "adagrad":
         aux["signal"].add_(m * m)
     elif _keeps_squared_mean(kind, group, state):
-        args = _with_squared_mean({}, kind, group, g, aux)
+        args = _with_squared_mean({}, kind, group, g, aux, mean_noise(MEAN_BETA, 1.0 - MEAN_BETA ** aux["count"]))
         reference.ema_(args["signal"], m * m, args["signal_weight"])
 
 
@@ -315,6 +363,7 @@ def _tracked_args(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any],
             aux[extra] = torch.zeros_like(aux["mean"])
     aux["count"] += 1
     n = aux["count"]
+    noise = mean_noise(MEAN_BETA, 1.0 - MEAN_BETA ** n)
     wd = float(group.get("weight_decay", 0.0))
     args.update(kind=kind, world=world, grad=grad.detach().reshape(-1), mean=aux["mean"], maximize=bool(group.get("maximize")),
                 mean_weight=1.0 - MEAN_BETA, mean_bias=1.0 - MEAN_BETA ** n)
@@ -325,10 +374,11 @@ def _tracked_args(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any],
     if wd:
         args["after"] = p.detach().reshape(-1)
     if kind == "adagrad":
-        args.update(extra=aux["signal"], count=float(n))
+        args.update(extra=aux["signal"], count=float(n))           # k = 0 (module docstring)
     elif kind == "rmsprop":
         if group.get("centered") and state.get("grad_avg") is not None:
-            args["grad_avg"] = state["grad_avg"].detach().reshape(-1)
+            args.update(grad_avg=state["grad_avg"].detach().reshape(-1),
+                        noise=mean_noise(float(group["alpha"]), args["scale"]))
         momentum = float(group.get("momentum", 0.0))
         if momentum > 0.0:       # the optimizer's buffer sums its divided gradients; the difference is summed alike
             if aux.get("momentum_buffer") is None:
@@ -339,7 +389,7 @@ def _tracked_args(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any],
         args.update(extra=aux["square"],
                     square_weight=1.0 - b2 if kind == "adamax" else float(n) ** float(group.get("beta2_decay", -0.8)),
                     square_bias=1.0 - b2 ** n if kind == "adamax" else 1.0)
-    return _with_squared_mean(args, kind, group, p, aux) if _keeps_squared_mean(kind, group, state) else args
+    return _with_squared_mean(args, kind, group, p, aux, noise) if _keeps_squared_mean(kind, group, state) else args
 
 
 def _apply_tracked(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], world: int, kind: str,
@@ -420,10 +470,11 @@ def _counted(args: Dict[str, Any], kind: str, group: Dict[str, Any], p: torch.Te
              exp_avg: torch.Tensor, t: float) -> Dict[str, Any]:
     """An Adam-family step's arguments with the squared mean, which the step counts: the steps before it that the
     squared mean did not see counted in first (:func:`_catch_up`)."""
+    b1 = float(group["betas"][0])
     if aux is not None:
-        _catch_up(group, aux, exp_avg, 1.0 - float(group["betas"][0]) ** t, t - 1)
+        _catch_up(group, aux, exp_avg, 1.0 - b1 ** t, t - 1)
         aux["squared_mean_at"] = int(t)
-    return _with_squared_mean(args, kind, group, p, aux)
+    return _with_squared_mean(args, kind, group, p, aux, mean_noise(b1, 1.0 - b1 ** t))
 
 
 def _apply_adam_family(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], world: int, kind: str,
@@ -441,7 +492,8 @@ def _apply_adam_family(p: torch.Tensor, state: Dict[str, Any], group: Dict[str, 
             ops.global_batch_step(target=target.view(-1), sign=sign, **args)
         else:
             batch.append((args["exp_avg"], args["exp_avg_sq"], target, args.get("change"), args.get("after"),
-                          args.get("signal"), args["bias1"], args["bias2"], world, args["eps"], args.get("lr", 0.0),
+                          args.get("signal"), args["bias1"], args["bias2"],
+                          reference.effective_world(world, args.get("noise", 0.0)), args["eps"], args.get("lr", 0.0),
                           args.get("decay", 0.0), sign, args.get("signal_weight", 0.0), args.get("signal_bias", 1.0)))
     else:
         reference.global_batch_step(target=target, sign=sign, **args)
