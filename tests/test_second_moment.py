@@ -719,3 +719,31 @@ def test_the_global_batchs_second_moment_is_estimated_without_bias(world):
     for part, mean in zip(v_global.view(3, n), (0.0, 0.3, 1.0)):
         truth = mean ** 2 + 1.0 / world
         assert abs(float(part.mean()) / truth - 1) < 0.03, (mean, float(part.mean()), truth)
+
+
+def test_a_checkpoint_without_the_noise_share_counts_its_earlier_steps_at_the_current_one():
+    """A GlobalBatchStep state saved before the share of noise was kept resumes: its earlier steps count at the
+    share of this step's m^2, the same as a state that held exactly that."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64))
+    opt = torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.99))
+    rescale = second_moment.GlobalBatchStep(opt)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(30):
+        p.grad = torch.randn(64, generator=g) + 0.3
+        opt.step()
+        rescale.excess(p, opt.param_groups[0], 2)
+    old = rescale.state_dict()
+    n = old[0]["squared_mean_steps"]
+    assert 0.0 < old[0].pop("squared_mean_noise") < 1.0
+    p.grad = torch.randn(64, generator=g)
+    opt.step()
+    results = []
+    for held in (None, second_moment.mean_noise(0.9, 1 - 0.9 ** 31) * (1 - 0.99 ** n)):
+        again = second_moment.GlobalBatchStep(opt)
+        again.load_state_dict(copy.deepcopy(old))
+        if held is not None:
+            again._aux[id(p)]["squared_mean_noise"] = held
+        results.append(again.excess(p, opt.param_groups[0], 2))
+    assert torch.isfinite(results[0]).all() and float(results[0].abs().max()) > 0
+    assert torch.equal(results[0], results[1])

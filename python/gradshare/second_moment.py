@@ -212,13 +212,18 @@ def mean_noise(beta: float, bias: float) -> float:
     return (1.0 - beta) / (1.0 + beta) * (2.0 - bias) / bias
 
 
+def _held_noise(aux: Dict[str, Any], noise: float, bias: float) -> float:
+    """The share of noise the squared mean ``aux`` keeps holds, not bias-corrected (``squared_mean_noise``); a
+    squared mean kept without it (a checkpoint from before it was kept) counts its earlier steps at ``noise``
+    (``bias``: their bias correction)."""
+    held = aux.get("squared_mean_noise")
+    return noise * bias if held is None else held
+
+
 def _noise_average(aux: Dict[str, Any], noise: float, weight: float, steps: int, bias: Callable[[int], float]) -> float:
     """The average share of noise (:func:`mean_noise`) in the squared mean ``aux`` keeps, updated with this step's
-    ``noise`` at ``weight``, the squared mean's own average (its ``steps``-th step, ``bias``: its correction).
-    A squared mean kept without it (a checkpoint from before it was kept) counts its earlier steps at ``noise``."""
-    held = aux.get("squared_mean_noise")
-    if held is None:
-        held = noise * bias(steps - 1) if steps > 1 else 0.0
+    ``noise`` at ``weight``, the squared mean's own average (its ``steps``-th step, ``bias``: its correction)."""
+    held = _held_noise(aux, noise, bias(steps - 1))
     held = held + (noise - held) * weight
     aux["squared_mean_noise"] = held
     return min(max(held / bias(steps), 0.0), 1.0)
@@ -237,7 +242,7 @@ def _with_squared_mean(args: Dict[str, Any], kind: str, group: Dict[str, Any], p
     aux["squared_mean_steps"] += 1
     window = _window(kind, group)
     weight, bias = window(aux["squared_mean_steps"])
-    noise = _noise_average(aux, noise, weight, aux["squared_mean_steps"], lambda k: window(k)[1])
+    noise = _noise_average(aux, noise, weight, aux["squared_mean_steps"], lambda k: window(k)[1] if k else 0.0)
     return dict(args, signal=aux["squared_mean"], signal_weight=weight, signal_bias=bias, noise=noise)
 
 
@@ -258,9 +263,7 @@ def _catch_up(group: Dict[str, Any], aux: Optional[Dict[str, Any]], exp_avg: tor
     m = exp_avg.detach().float().reshape(-1) / bias1
     aux["squared_mean"].mul_(d).add_(m * m, alpha=1.0 - d)
     noise = mean_noise(float(group["betas"][0]), bias1)
-    held = aux.get("squared_mean_noise")
-    if held is None:
-        held = noise * (1.0 - float(group["betas"][1]) ** aux["squared_mean_steps"])
+    held = _held_noise(aux, noise, 1.0 - float(group["betas"][1]) ** aux["squared_mean_steps"])
     aux["squared_mean_noise"] = held * d + noise * (1.0 - d)
     aux["squared_mean_steps"] += k
     aux["squared_mean_at"] = int(t)
