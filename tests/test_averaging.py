@@ -209,17 +209,18 @@ def _sparse_pseudo_gradient(mid_round_resume, inner_name="adam"):
     return out
 
 
-def _model_error_feedback(values="int8"):
+def _model_error_feedback(values="int8", chunk=65536):
     # error_feedback="model": what a round does not send stays in the rank's own model, so a round keeps the
     # mean of the ranks' models where it was (no progress lost) and average() ends with identical replicas.
-    # values="sign": the same with the top entries sent as +-scale (format 7).
+    # values="sign": the same with the top entries sent as +-scale (format 7); chunk=None: each bucket one chunk.
     rank = dist.get_rank()
 
     def make(m=None):
         m = _model() if m is None else m
         inner = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)    # its steps as they are (no rescaling)
         return m, inner, ParameterAveraging(m, inner, frequency=3, error_feedback="model",
-                                            compression=gradshare.TopK(0.05, warmup_steps=0, values=values))
+                                            compression=gradshare.TopK(0.05, warmup_steps=0, values=values,
+                                                                       chunk=chunk))
     model, inner, pa = make()
     ends = []                                       # the rank's model after each inner step, before any round
     inner.register_step_post_hook(lambda *a: ends.append(_flat(model).clone()))
@@ -284,6 +285,7 @@ def _all_checks():
             "sparse_pseudo_rmsprop": _sparse_pseudo_gradient(True, "rmsprop"),
             "model_error_feedback": _model_error_feedback(),
             "model_error_feedback_sign": _model_error_feedback("sign"),
+            "model_error_feedback_whole_bucket": _model_error_feedback("sign", chunk=None),
             "model_error_feedback_skip": _model_error_feedback_skips_a_nonfinite_round(),
             "model_error_feedback_raise": _model_error_feedback_skips_a_nonfinite_round("raise")}
 
@@ -307,7 +309,8 @@ def test_sparse_pseudo_gradient_keeps_replicas_identical_and_resumes_exactly(res
     assert [r[key]["warned_wrong_order"] for r in results] == [False, True]   # rank 1's model was replaced
 
 
-@pytest.mark.parametrize("key", ["model_error_feedback", "model_error_feedback_sign"])
+@pytest.mark.parametrize("key", ["model_error_feedback", "model_error_feedback_sign",
+                                 "model_error_feedback_whole_bucket"])
 def test_error_feedback_in_the_model_keeps_the_ranks_mean_and_average_merges_it(results, key):
     for r in [r[key] for r in results]:
         assert r["global_same"], "the round's mean result (the snapshot) is the same on every rank"

@@ -109,6 +109,79 @@ def test_topk_selection_of_large_chunks_matches_reference(kind, k, values):
             assert int((out[lo:lo + 65536] != 0).sum()) == kc
 
 
+def _signs_round_trip(update, residual, k, chunk):
+    """Top-k signs of update + residual, native and reference bit for bit, decoded by both alike; what was not
+    sent stays whole in the kept residual. Returns (message, decoded, u)."""
+    n = update.numel()
+    msg, kept = _both(_topk, R.encode_topk, update, residual, k, chunk, "sign")
+    assert msg.numel() == M.topks_words(n, chunk, k)
+    out, want = torch.zeros(n), torch.zeros(n)
+    ops.decode(out, msg)
+    R.decode(want, msg)
+    assert_bits_equal(out, want)
+    u = residual + update
+    assert_bits_equal(kept[out == 0], u[out == 0])
+    return msg, out, u
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "zeros", "rows", "spikes", "wide"])
+@pytest.mark.parametrize("chunk", [70_001, 2**31 - 1])
+@pytest.mark.parametrize("density", [0.0, 1e-4, 0.02, 0.1, 1.0])
+def test_topk_signs_over_chunks_longer_than_16_bits_match_reference(kind, chunk, density):
+    # The signs layout codes indices in as many bits as a chunk needs, so a chunk may be the whole buffer
+    # (TopK(chunk=None)): the top entries compete over all of it. 200003 elements: two chunks of 70001 and a
+    # shorter last one, or one chunk (2^31 - 1 > n: the last, shorter chunk is all there is).
+    n = 200_003
+    update, residual = _hard_chunks(kind, n)
+    k = min(chunk, round(density * chunk))
+    msg, out, u = _signs_round_trip(update, residual, k, chunk)
+    assert msg[3] == chunk
+    for lo in range(0, n, chunk):                            # each chunk sent its k_c largest magnitudes
+        hi = min(n, lo + chunk)
+        kc = (k * (hi - lo) + chunk - 1) // chunk
+        sent = out[lo:hi] != 0
+        if kind != "zeros":
+            assert int(sent.sum()) == kc
+        if sent.any() and (~sent).any():
+            assert u[lo:hi].abs()[~sent].max() <= u[lo:hi].abs()[sent].min()
+
+
+def test_a_whole_bucket_chunk_is_refused_where_indices_are_16_bits():
+    u, r = torch.zeros(70_000), torch.zeros(70_000)
+    ops.encode_topk(u, r, 5, chunk=70_000, values="sign")
+    for values in ("bf16", "int8"):
+        with pytest.raises(ValueError, match="chunk"):
+            ops.encode_topk(u, r, 5, chunk=70_000, values=values)
+    msg = ops.encode_topk(torch.randn(70_000), r, 5, chunk=70_000, values="sign")
+    for fmt in (M.TOPK, M.TOPK8):                             # the same header in a 16-bit layout: refused
+        m = msg.clone()
+        m[1] = fmt
+        with pytest.raises(MessageError):
+            ops.decode(torch.zeros(70_000), m)
+        with pytest.raises(ValueError):
+            R.decode(torch.zeros(70_000), m)
+
+
+def test_topk_whole_bucket_compression_sends_its_density_of_the_bucket():
+    c = gradshare.TopK(0.02, warmup_steps=0, values="sign", chunk=None)
+    n = 150_001
+    update, residual = _state(n)
+    u = residual + update
+    msg = c.encode(update, residual, 0)
+    assert msg.numel() == c.words(n, 0) and msg[3] == n and msg[4] == c.k(0, n) == 3001
+    out = torch.zeros(n)
+    ops.decode(out, msg)
+    sent = out != 0
+    assert int(sent.sum()) == 3001 and u.abs()[~sent].max() <= u.abs()[sent].min()
+    with pytest.raises(TypeError, match="pass n"):
+        c.k(0)
+    with pytest.raises(ValueError, match="values='sign'"):
+        gradshare.TopK(0.02, chunk=None)
+    with pytest.raises(ValueError, match="at most 65536"):
+        gradshare.TopK(0.02, chunk=70_000)
+    assert gradshare.TopK(0.02, chunk=70_000, values="sign").chunk == 70_000
+
+
 def _scaled_chunks_match_reference(update, residual, scales, chunk, k, values, threads):
     """Top-k of update and residual scaled chunk by chunk (scales[i] for chunk i), on `threads` threads: the
     native message and kept residual are the reference's, bit for bit."""
@@ -312,15 +385,7 @@ def test_decode_leaves_what_a_message_does_not_send_bit_for_bit(kind):
 def test_property_topk_signs_match_the_reference_and_decode_to_what_was_taken(n, chunk, density, seed):
     update, residual = _state(n, seed=seed)
     k = min(chunk, int(density * chunk))
-    msg, kept = _both(_topk, R.encode_topk, update, residual, k, chunk, "sign")
-    assert msg.numel() == M.topks_words(n, chunk, k)
-    out = torch.zeros(n)
-    ops.decode(out, msg)
-    want = torch.zeros(n)
-    R.decode(want, msg)
-    assert_bits_equal(out, want)
-    u = residual + update
-    assert_bits_equal(kept[out == 0], u[out == 0])           # what was not sent stays whole
+    msg, out, u = _signs_round_trip(update, residual, k, chunk)
     for lo in range(0, n, chunk):                            # each chunk sends its k_c largest
         kc = (k * min(chunk, n - lo) + chunk - 1) // chunk
         assert int((out[lo:lo + chunk] != 0).sum()) <= kc

@@ -582,6 +582,13 @@ def test_topk_matches_cpu(n, chunk, k, dtype, kind):
     chunked_both(kind, *chunked_state(n, dtype, seed=n), k, chunk)
 
 
+@pytest.mark.parametrize("n", [1, 4097, 200_003, 2**20 + 7])
+@pytest.mark.parametrize("chunk,density", [(70_001, 0.02), (2**31 - 1, 0.0001), (2**31 - 1, 0.02), (2**31 - 1, 0.5)])
+def test_topk_signs_over_chunks_longer_than_16_bits_match_cpu(n, chunk, density):
+    # TopK(chunk=None, values="sign"): one chunk, one block, the whole buffer (the pairs hold at most n entries)
+    chunked_both("topk_sign", *chunked_state(n, torch.float32, seed=n), round(density * chunk), chunk)
+
+
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 31, 32, 33, 255, 4095, 4096, 4097, 3 * 4096 + 17, 2**20 + 7])
 @pytest.mark.parametrize("chunk", [16, 48, 528, 4096, 65536])
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 2.0])

@@ -456,7 +456,8 @@ ChunkedResult encode_topk_cuda(const void* update, int32_t dtype, const float* r
   const cudaStream_t s = cuda::as_stream(stream);
   const int64_t nch = (n + chunk - 1) / chunk;
   const size_t at_pairs = cuda::align_up(sizeof(Flags));
-  cuda::Scratch scratch(at_pairs + size_t(2 * nch * k + 1) * sizeof(int32_t), s);
+  // A chunk's k slots; a single chunk longer than the buffer (top-k signs) selects at most n.
+  cuda::Scratch scratch(at_pairs + size_t(2 * nch * (nch == 1 ? std::min(k, n) : k) + 1) * sizeof(int32_t), s);
   int32_t* pairs = scratch.at<int32_t>(at_pairs);
   Flags* flags = init_flags(scratch, s);
   if (n > 0) {

@@ -88,9 +88,10 @@ GS_HD uint32_t bf16_bits(float u) {
 }
 
 // The order top-k selects by: larger |u| first, then the lower local index. Unique within a chunk, so the
-// selected set does not depend on how it is found (heap, sort or radix select).
+// selected set does not depend on how it is found (heap, sort or radix select). The index takes the low 32
+// bits: a top-k signs chunk may be up to 2^31 - 1 elements long.
 GS_HD uint64_t topk_key_of_magnitude(uint32_t magnitude_bits, int64_t local) {
-  return (static_cast<uint64_t>(magnitude_bits) << 16) | static_cast<uint64_t>(0xffff - local);
+  return (static_cast<uint64_t>(magnitude_bits) << 32) | (0xffffffffull - static_cast<uint64_t>(local));
 }
 
 GS_HD uint64_t topk_key(float u, int64_t local) {

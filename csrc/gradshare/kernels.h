@@ -186,7 +186,9 @@ inline int64_t check_chunked_args(int32_t format, int32_t dtype, int64_t n, int6
     throw std::invalid_argument("update: " + std::to_string(n) +
                                 " elements; a message can encode at most 2^31-1 (split the buffer)");
   if (topk) {
-    if (chunk < 1 || chunk > kMaxTopKChunk) throw std::invalid_argument("chunk: must be in [1, 65536] for top-k");
+    if (chunk < 1 || chunk > max_topk_chunk(format))
+      throw std::invalid_argument(format == kTopKSign ? "chunk: must be in [1, 2^31-1] for top-k signs"
+                                                      : "chunk: must be in [1, 65536] for top-k");
     if (k < 0 || k > chunk) throw std::invalid_argument("k must be in [0, chunk]");
   } else {
     if (chunk < 16 || chunk % 16 != 0 || chunk > kMaxTernaryChunk)

@@ -24,7 +24,7 @@
 //               finite, >= 0), ceil(k_c/2) words of 16-bit local indices (ascending, the first in the
 //               low half), ceil(k_c/4) words of int8 values q in [-127, 127] (the first in the low
 //               byte); an entry adds q * s. Unused halves and bytes are zero.
-//   top-k signs (7) word 3 = chunk (1..65536), word 4 = k; per chunk one word (float32 bits of its scale s,
+//   top-k signs (7) word 3 = chunk (1..2^31-1: its indices are Elias-Fano coded, not 16-bit), word 4 = k; per chunk one word (float32 bits of its scale s,
 //               finite, >= 0), then, when k_c > 0, a bit stream (bit b in word b / 32 at bit b % 32) of
 //               ceil(bits / 32) words: the k_c local indices p_0 < p_1 < ... Elias-Fano coded with
 //               l = floor(log2(len_c / k_c)) low bits (entry i's low bits at bits [i*l, i*l + l)), then
@@ -54,6 +54,9 @@ constexpr int64_t kMaxElements = 2147483647;  // indices are signed 1-based int3
 // format it does not decode).
 enum Format : int32_t { kSparse = 0, kBitmap = 1, kNonFinite = 2, kTopK = 3, kTernary = 4, kTopK8 = 5, kFailed = 6, kTopKSign = 7 };
 constexpr int64_t kMaxTopKChunk = 65536;  // local indices are 16 bits
+// The signs layout codes its local indices in as many bits as the chunk needs: one chunk may be the whole
+// buffer, whose top k then compete over all of it (no quota per 65536 elements).
+constexpr int64_t kMaxTopKSignChunk = kMaxElements;
 constexpr int64_t kMaxTernaryChunk = int64_t(1) << 30;
 // What the caller asks the encoder for; kAuto picks the smaller payload.
 enum FormatChoice : int32_t { kChooseAuto = -1, kChooseSparse = 0, kChooseBitmap = 1 };
@@ -112,6 +115,7 @@ GS_HD int64_t topks_words(int64_t n, int64_t chunk, int64_t k) {
          (rest ? topks_chunk_words(rest, topk_k(k, rest, chunk)) : 0);
 }
 GS_HD bool is_topk(int32_t format) { return format == kTopK || format == kTopK8 || format == kTopKSign; }
+GS_HD int64_t max_topk_chunk(int32_t format) { return format == kTopKSign ? kMaxTopKSignChunk : kMaxTopKChunk; }
 GS_HD bool is_chunked(int32_t format) { return is_topk(format) || format == kTernary; }
 // Words of full chunk c's part of a chunked payload start at c * this (every earlier chunk is full).
 GS_HD int64_t chunk_stride(int32_t format, int64_t chunk, int64_t k) {
@@ -170,8 +174,8 @@ inline const char* check_chunked_header(const int32_t* h, int64_t row_words, int
   const int64_t chunk = h[3], k = h[4];
   int64_t words;
   if (is_topk(h[1])) {
-    if (chunk < 1 || chunk > kMaxTopKChunk || k < 0 || k > chunk)
-      return "top-k message: chunk must be in [1, 65536] and k in [0, chunk]";
+    if (chunk < 1 || chunk > max_topk_chunk(h[1]) || k < 0 || k > chunk)
+      return "top-k message: chunk must be in [1, 65536] (signs: [1, 2^31-1]) and k in [0, chunk]";
   } else {
     if (chunk < 16 || chunk > kMaxTernaryChunk || chunk % 16 != 0 || k < 0 || k > n)
       return "ternary message: chunk must be a multiple of 16 and the entry count in [0, n]";

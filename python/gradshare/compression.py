@@ -116,7 +116,11 @@ class TopK(Compression):
         chunk: elements per chunk (<= 65536, the default). Each chunk sends its own share (``density`` of
             its elements): within a chunk entries compete by magnitude alone. Small chunks turn that into a
             quota per chunk, which starves the chunks that matter at low densities (measured on the MNIST
-            CNN at 0.1%: 4096-element chunks ended 1.5 points below DDP, 65536-element ones 0.1).
+            CNN at 0.1%: 4096-element chunks ended 1.5 points below DDP, 65536-element ones 0.1). With
+            ``values="sign"`` (no 16-bit index) a chunk may be longer, and ``chunk=None`` makes each bucket one
+            chunk: its top entries compete over the whole bucket, every layer's against every other's, with
+            one scale. The selection of one chunk runs on one thread (or one GPU block), so this suits rare
+            exchanges, local steps' pseudo-gradient (README "Local steps"), more than every step's.
         values: "int8" (one scale per chunk and each value as a rounded multiple of it: 3 bytes an entry),
             "bf16" (each value rounded to bfloat16: 4 bytes an entry) or "sign" (each entry sent as +-s, s the
             mean |value| of the chunk's entries, its index Elias-Fano coded: 3 + log2(1 / density) bits an
@@ -134,15 +138,20 @@ class TopK(Compression):
 
     name = "topk"
 
-    def __init__(self, density: float = 0.02, *, chunk: int = TOPK_CHUNK, warmup_steps: int = 100,
+    def __init__(self, density: float = 0.02, *, chunk: Optional[int] = TOPK_CHUNK, warmup_steps: int = 100,
                  warmup_density: float = 1 / 16, values: str = "int8"):
         if values not in ops.TOPK_VALUES:
             raise ValueError(f"values: expected 'bf16', 'int8' or 'sign', got {values!r}")
         self.values = values
         self.density = _fraction("density", density)
-        self.chunk = _positive_int("chunk", chunk)
-        if self.chunk > msgfmt.MAX_TOPK_CHUNK:
-            raise ValueError(f"chunk: at most {msgfmt.MAX_TOPK_CHUNK}, got {chunk}")
+        longest = msgfmt.max_topk_chunk(ops.TOPK_VALUES[values])
+        if chunk is None and values != "sign":
+            raise ValueError(f"chunk=None (each bucket one chunk) needs values='sign': {values!r} values carry "
+                             f"16-bit indices, at most {msgfmt.MAX_TOPK_CHUNK} elements a chunk")
+        self.chunk = None if chunk is None else _positive_int("chunk", chunk)
+        if self.chunk is not None and self.chunk > longest:
+            raise ValueError(f"chunk: at most {longest} with values={values!r}, got {chunk}"
+                             + (" (values='sign' allows longer chunks, or chunk=None)" if values != "sign" else ""))
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps: expected an int >= 0, got {warmup_steps!r}")
         self.warmup_steps = warmup_steps
@@ -153,12 +162,19 @@ class TopK(Compression):
             return self.warmup_density * (self.density / self.warmup_density) ** (step / self.warmup_steps)
         return self.density
 
-    def k(self, step: int) -> int:
-        """Entries sent per full chunk at ``step``."""
-        return min(self.chunk, max(1, math.ceil(self.density_at(step) * self.chunk - 1e-9)))
+    def chunk_for(self, n: int) -> int:
+        """The chunk a buffer of ``n`` elements is split by (``chunk=None``: the whole buffer)."""
+        return self.chunk if self.chunk is not None else max(1, int(n))
+
+    def k(self, step: int, n: Optional[int] = None) -> int:
+        """Entries sent per full chunk at ``step`` (of a buffer of ``n`` elements where ``chunk=None``)."""
+        if self.chunk is None and n is None:
+            raise TypeError("TopK(chunk=None).k: pass n, the buffer's elements (its chunk)")
+        chunk = self.chunk_for(n)
+        return min(chunk, max(1, math.ceil(self.density_at(step) * chunk - 1e-9)))
 
     def words(self, n: int, step: int) -> int:
-        return msgfmt.chunked_words(ops.TOPK_VALUES[self.values], n, self.chunk, self.k(step))
+        return msgfmt.chunked_words(ops.TOPK_VALUES[self.values], n, self.chunk_for(n), self.k(step, n))
 
     density_scalable = True
 
@@ -171,8 +187,9 @@ class TopK(Compression):
                     warmup_density=self.warmup_density * scale, values=self.values)
 
     def encode(self, update, residual, step, kept=None, velocity=None):
-        return ops.encode_topk(update, residual, self.k(step), chunk=self.chunk, values=self.values, kept=kept,
-                               **ops.momentum_kwargs(velocity))
+        n = update.numel()
+        return ops.encode_topk(update, residual, self.k(step, n), chunk=self.chunk_for(n), values=self.values,
+                               kept=kept, **ops.momentum_kwargs(velocity))
 
     def config(self):
         return {"kind": "TopK", "density": self.density, "chunk": self.chunk, "warmup_steps": self.warmup_steps,

@@ -28,7 +28,7 @@ is as long as every other's, so one all-gather moves them with no lengths round 
                       the first in the low half, ascending), ceil(k_c/4) words of int8 values q in
                       [-127, 127] (four per word, the first in the low byte); an entry is q * s. Unused halves
                       and bytes are zero. 3 bytes an entry instead of 4.
-    top-k signs (format 7)  word 3 = chunk (1..65536), word 4 = k; per chunk: 1 word (float32 bits of its
+    top-k signs (format 7)  word 3 = chunk (1..2**31-1: no 16-bit index), word 4 = k; per chunk: 1 word (float32 bits of its
                       scale s, finite, >= 0), then for k_c > 0 a bit stream (bit b in word b // 32 at bit b % 32)
                       of ceil(bits / 32) words: the local indices p_0 < p_1 < ... Elias-Fano coded with
                       l = floor(log2(len_c / k_c)) low bits (entry i's at bits [i*l, i*l + l)), then
@@ -57,8 +57,14 @@ FORMAT_NAMES = {SPARSE: "sparse", BITMAP: "bitmap", NONFINITE: "nonfinite", TOPK
 TOPK_FORMATS = (TOPK, TOPK8, TOPKSIGN)
 CHUNKED = (TOPK, TERNARY, TOPK8, TOPKSIGN)
 MAX_TOPK_CHUNK = 65536          # local indices are 16 bits
+MAX_TOPK_SIGN_CHUNK = MAX_ELEMENTS   # the signs layout's are Elias-Fano coded: a chunk may be a whole buffer
 # What encode() may be asked for; "auto" picks the smaller payload.
 FORMAT_CHOICES = {"auto": -1, "sparse": SPARSE, "bitmap": BITMAP}
+
+
+def max_topk_chunk(fmt: int) -> int:
+    """The longest chunk a top-k format can address (message.h's twin)."""
+    return MAX_TOPK_SIGN_CHUNK if fmt == TOPKSIGN else MAX_TOPK_CHUNK
 
 
 def bitmap_words(n: int) -> int:

@@ -488,18 +488,19 @@ def encode_topk(update: ArrayLike, residual: ArrayLike, k: int, *, chunk: int = 
     value rounded to bfloat16; 4 bytes an entry, format 3), "int8" (one float scale per chunk, the largest
     |value| / 127, and each value as a rounded multiple of it; 3 bytes an entry, format 5) or "sign" (one float
     scale per chunk, the mean |value| of its entries, each entry sent as +-scale, its index Elias-Fano coded:
-    about 3 + log2(chunk / k) bits an entry, format 7).
+    about 3 + log2(chunk / k) bits an entry, format 7; its chunk may be up to 2**31 - 1 elements, so the whole
+    buffer one chunk).
     The message length depends only on (n, chunk, k), so every rank's message has the same size.
     Non-finite u: a non-finite marker of the same length is returned and the residual is left unchanged.
     ``velocity``, ``momentum``, ``velocity_out``: a fused momentum, as for :func:`encode` (an element is sent
     when it is selected).
     """
     update, residual = _check_update_residual(update, residual, residual_written=True)
-    chunk = _check_chunk(chunk, 1, msgfmt.MAX_TOPK_CHUNK)
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= int(k) <= chunk:
-        raise ValueError(f"k: must be an int in [0, chunk={chunk}], got {k!r}")
     if values not in TOPK_VALUES:
         raise ValueError(f"values: expected 'bf16', 'int8' or 'sign', got {values!r}")
+    chunk = _check_chunk(chunk, 1, msgfmt.max_topk_chunk(TOPK_VALUES[values]))
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= int(k) <= chunk:
+        raise ValueError(f"k: must be an int in [0, chunk={chunk}], got {k!r}")
     kept = _check_kept(kept, update, residual)
     vel = _check_velocity(velocity, momentum, velocity_out, update, residual, kept)
     return _run_encode(_encode_topk_op, _encode_topk_impl, _encode_topk_into, update.view(-1), residual.view(-1),

@@ -99,7 +99,7 @@ def _topk_rows(x: torch.Tensor, kc: int, chunk: int):
     """Per row: the kc positions with the largest |x| (ties: the lower index), ascending."""
     ln = x.shape[1]
     # A unique integer key: |x| as float bits (monotonic for non-negative floats), then the lower index.
-    key = (x.abs().view(torch.int32).long() << 17) + (chunk - 1 - torch.arange(ln, device=x.device))
+    key = (x.abs().view(torch.int32).long() << 31) + (chunk - 1 - torch.arange(ln, device=x.device))
     return torch.topk(key, kc, dim=1).indices.sort(dim=1).values
 
 
@@ -352,8 +352,8 @@ def _validate_chunked(row: torch.Tensor, fmt: int, n: int, scale: float) -> None
     if head[2] != n:
         raise ValueError("message length n does not match the destination buffer")
     chunk, k = head[3], head[4]
-    if fmt in TOPK_FORMATS and (not 1 <= chunk <= msgfmt.MAX_TOPK_CHUNK or not 0 <= k <= chunk):
-        raise ValueError("top-k message: chunk must be in [1, 65536] and k in [0, chunk]")
+    if fmt in TOPK_FORMATS and (not 1 <= chunk <= msgfmt.max_topk_chunk(fmt) or not 0 <= k <= chunk):
+        raise ValueError("top-k message: chunk must be in [1, 65536] (signs: [1, 2^31-1]) and k in [0, chunk]")
     if fmt == TERNARY and (not (16 <= chunk <= 2**30 and chunk % 16 == 0) or not 0 <= k <= n):
         raise ValueError("ternary message: chunk must be a multiple of 16 and the entry count in [0, n]")
     words = msgfmt.chunked_words(fmt, n, chunk, k)
