@@ -14,6 +14,9 @@ For each n (float32) and density, times through the public gradshare.ops API:
     decode     one sparse message added into a dense buffer
     topk       TopK's encode (the default for SGD): per 65536-element chunk the density fraction of largest
                |residual + update|, 8-bit values, what is kept written into a spare buffer (kept=)
+    topk_sign  the same selection sent as +-scale with Elias-Fano coded indices (local steps' pseudo-gradient), at
+               10% and 2% per 65536-element chunk; topk_sign_whole: at 2% with the whole buffer one chunk
+               (TopK(values="sign", chunk=None): one selection, so one thread)
     ternary    Ternary's encode (the default for Adam): -s, 0 or +s per element, kept= a spare buffer
                (independent of density: once per n)
     topk_momentum, ternary_momentum  the same with the momentum correction fused in (velocity=; TopK at its
@@ -290,6 +293,12 @@ def bench_n(n: int, densities, device, repeats: int, warmup: int) -> list:
         chunked["topk_sign@0.1"] = (lambda k=round(0.1 * chunk): ops.encode_topk(
             update, residual, k, chunk=chunk, values="sign", kept=kept),
             lambda k=round(0.1 * chunk): naive_topk(update, residual, k, chunk, kept_naive), 0.1)
+        # ... and at 2% per 65536-element chunk against the whole buffer one chunk (TopK(values="sign", chunk=None):
+        # one selection on one thread where the chunks spread over the threads)
+        for name, c in (("topk_sign@0.02", chunk), ("topk_sign_whole@0.02", n)):
+            chunked[name] = (lambda c=c: ops.encode_topk(update, residual, round(0.02 * c), chunk=c, values="sign",
+                                                         kept=kept),
+                             lambda c=c: naive_topk(update, residual, round(0.02 * c), c, kept_naive), 0.02)
         chunked["ternary"] = (lambda: ops.encode_ternary(update, residual, 0.5, chunk=chunk, kept=kept),
                               lambda: naive_ternary(update, residual, 0.5, chunk, kept_naive), None)
         velocity = (torch.randn(n, generator=g) * TAU).to(device)
