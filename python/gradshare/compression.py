@@ -121,7 +121,8 @@ class TopK(Compression):
             chunk: its top entries compete over the whole bucket, every layer's against every other's, with
             one scale. The selection of one chunk runs on one thread (or one GPU block): meant for rare
             exchanges (local steps' pseudo-gradient), not every step's. On the README's AdamW LM it gained
-            0.2-0.3 points at 2% on a short run and lost 0.4 on a four times longer one (README "Local steps").
+            0.2-0.3 points at 2% on a short run, 0.1 on a four times longer one, none at 4% or 10% (README
+            "Local steps").
         values: "int8" (one scale per chunk and each value as a rounded multiple of it: 3 bytes an entry),
             "bf16" (each value rounded to bfloat16: 4 bytes an entry) or "sign" (each entry sent as +-s, s the
             mean |value| of the chunk's entries, its index Elias-Fano coded: 3 + log2(1 / density) bits an
