@@ -24,13 +24,14 @@
 //               finite, >= 0), ceil(k_c/2) words of 16-bit local indices (ascending, the first in the
 //               low half), ceil(k_c/4) words of int8 values q in [-127, 127] (the first in the low
 //               byte); an entry adds q * s. Unused halves and bytes are zero.
-//   top-k signs (7) word 3 = chunk (1..2^31-1: its indices are Elias-Fano coded, not 16-bit), word 4 = k; per chunk one word (float32 bits of its scale s,
-//               finite, >= 0), then, when k_c > 0, a bit stream (bit b in word b / 32 at bit b % 32) of
-//               ceil(bits / 32) words: the k_c local indices p_0 < p_1 < ... Elias-Fano coded with
-//               l = floor(log2(len_c / k_c)) low bits (entry i's low bits at bits [i*l, i*l + l)), then
-//               k_c + ((len_c - 1) >> l) high bits (bit (p_i >> l) + i set for each entry, no other), then
-//               k_c sign bits (set: the entry adds -s, else +s); bits past the stream are zero. About
-//               3 + log2(len_c / k_c) bits an entry where a 16-bit index and an 8-bit value take 24.
+//   top-k signs (7) word 3 = chunk (1..2^31-1: its indices are Elias-Fano coded, not 16-bit), word 4 = k;
+//               per chunk one word (float32 bits of its scale s, finite, >= 0), then, when k_c > 0, a bit
+//               stream (bit b in word b / 32 at bit b % 32) of ceil(bits / 32) words: the k_c local indices
+//               p_0 < p_1 < ... Elias-Fano coded with l = floor(log2(len_c / k_c)) low bits (entry i's low
+//               bits at bits [i*l, i*l + l)), then k_c + ((len_c - 1) >> l) high bits (bit (p_i >> l) + i set
+//               for each entry, no other), then k_c sign bits (set: the entry adds -s, else +s); bits past the
+//               stream are zero. About 3 + log2(len_c / k_c) bits an entry where a 16-bit index and an 8-bit
+//               value take 24.
 // A rank whose update is not finite sends a marker of the same length (header, then zeros).
 //
 // A message may sit in a longer row (padded all-gather): the header says how many words are used.

@@ -28,13 +28,13 @@ is as long as every other's, so one all-gather moves them with no lengths round 
                       the first in the low half, ascending), ceil(k_c/4) words of int8 values q in
                       [-127, 127] (four per word, the first in the low byte); an entry is q * s. Unused halves
                       and bytes are zero. 3 bytes an entry instead of 4.
-    top-k signs (format 7)  word 3 = chunk (1..2**31-1: no 16-bit index), word 4 = k; per chunk: 1 word (float32 bits of its
-                      scale s, finite, >= 0), then for k_c > 0 a bit stream (bit b in word b // 32 at bit b % 32)
-                      of ceil(bits / 32) words: the local indices p_0 < p_1 < ... Elias-Fano coded with
-                      l = floor(log2(len_c / k_c)) low bits (entry i's at bits [i*l, i*l + l)), then
-                      k_c + ((len_c - 1) >> l) high bits (bit (p_i >> l) + i set per entry), then k_c sign bits
-                      (set: the entry adds -s, else +s); bits past the stream are zero. About 3 + log2(len_c / k_c)
-                      bits an entry (6.3 at 10%) where 8-bit top-k takes 24.
+    top-k signs (format 7)  word 3 = chunk (1..2**31-1: no 16-bit index), word 4 = k; per chunk: 1 word
+                      (float32 bits of its scale s, finite, >= 0), then for k_c > 0 a bit stream (bit b in word
+                      b // 32 at bit b % 32) of ceil(bits / 32) words: the local indices p_0 < p_1 < ...
+                      Elias-Fano coded with l = floor(log2(len_c / k_c)) low bits (entry i's at bits
+                      [i*l, i*l + l)), then k_c + ((len_c - 1) >> l) high bits (bit (p_i >> l) + i set per
+                      entry), then k_c sign bits (set: the entry adds -s, else +s); bits past the stream are
+                      zero. About 3 + log2(len_c / k_c) bits an entry (6.3 at 10%) where 8-bit top-k takes 24.
 
 A rank whose update was not finite sends a non-finite marker of the same length (zero payload); a rank
 that could not encode at all (an exception in its encoder) sends a failed marker (format 6) likewise, so
