@@ -24,6 +24,9 @@ For each n (float32) and density, times through the public gradshare.ops API:
                the encode, and the velocity zeroed where the decoded message is not 0
     ternary_decode4  four Ternary messages (a 4-worker exchange) decoded into one buffer; "naive" unpacks
                each message's codes in torch and adds them (8n + n/4 bytes a message)
+    topk_sign_decode2  two messages of the defaults' per-step layout (the top 5% of each 65536-element chunk as
+               signs: a 2-worker exchange) decoded into one buffer; "naive" is gradshare.reference.decode (torch
+               ops); membound: the buffer read and written once (8n bytes)
     average4   mean of 4 buffers into a preallocated output (independent of density: once per n)
     global_batch_step  an AdamW step made the global batch's (gradshare.second_moment: 2 ranks, the Adam
                form): read exp_avg and exp_avg_sq, add the excess into the step's change (16n bytes; once
@@ -329,6 +332,20 @@ def bench_n(n: int, densities, device, repeats: int, warmup: int) -> list:
                     "naive": (nothing, lambda: naive_ternary_decode(dst_naive, msgs, chunk)),
                     "membound": membound_variant(nbytes // 12, device)}
         rows.append(record("ternary_decode4", n, None, None, nbytes, nbytes // 12,
+                           measure(timer, variants, repeats, warmup)))
+        # two signs messages at the defaults' 5% (a 2-worker step) decoded into one buffer: each element's entries
+        # added in message order, as the sharing core decodes its mean
+        msgs = torch.stack([ops.encode_topk(update, (torch.randn(n, generator=g) * TAU).to(device),
+                                            round(0.05 * chunk), chunk=chunk, values="sign") for _ in range(2)])
+        dst, dst_naive = torch.zeros(n, device=device), torch.zeros(n, device=device)
+        ops.decode(dst, msgs, scale=0.5)
+        reference.decode(dst_naive, msgs, scale=0.5)
+        if not torch.equal(dst, dst_naive):
+            raise AssertionError(f"reference and native signs decode disagree at n={n}")
+        variants = {"fused": (nothing, lambda: ops.decode(dst, msgs, scale=0.5)),
+                    "naive": (nothing, lambda: reference.decode(dst_naive, msgs, scale=0.5)),
+                    "membound": membound_variant(8 * n // 12, device)}
+        rows.append(record("topk_sign_decode2", n, 0.05, None, 8 * n, 8 * n // 12,
                            measure(timer, variants, repeats, warmup)))
     # averaging does not depend on the density
     bufs = [torch.rand(n, device=device) for _ in range(4)]

@@ -5,6 +5,7 @@ Every property is checked on every (front end, mode): replicas stay bitwise iden
 training exactly, a non-finite value stops every rank ("raise") or drops the step everywhere with all state
 unchanged ("skip"), and with one rank nothing is encoded.
 """
+import copy
 import gc
 import pickle
 import time
@@ -907,3 +908,86 @@ def test_bucket_copies_and_cached_slices_follow_the_buffers():
     half = Bucket(1, [h], Dense())
     half.set_params(torch.tensor([1.5, 2.0, -3.0]))
     assert h.dtype == torch.bfloat16 and torch.equal(h.detach().float(), torch.tensor([1.5, 2.0, -3.0]))
+
+
+def test_the_automatic_bucket_size_is_a_quarter_of_the_model_between_8_and_25_mib():
+    from gradshare.sharing import auto_bucket_cap_mb, group_parameters
+
+    def params(*numels):
+        return [torch.zeros(n, requires_grad=True) for n in numels]
+
+    assert auto_bucket_cap_mb(params(1000)) == 8.0                          # small: one bucket
+    assert auto_bucket_cap_mb(params(40 * 2**20 // 4)) == 10.0              # 40 MiB: a quarter
+    assert auto_bucket_cap_mb(params(400 * 2**20 // 4)) == 25.0             # large: DDP's
+    frozen = torch.zeros(400 * 2**20 // 4)                                  # needs no gradient: not counted
+    assert auto_bucket_cap_mb([frozen] + params(1000)) == 8.0
+    # bench/e2e's MLP (3.7M parameters, 14 MiB): its two matrices apart, so that one is encoded while the other travels
+    mlp = params(784 * 2048, 2048, 2048 * 1024, 1024, 1024 * 10, 10)
+    assert [len(b) for b in group_parameters(mlp, None)] == [2, 1, 3]
+    assert [len(b) for b in group_parameters(mlp, 25.0)] == [6]
+
+
+def _resume_in_other_buckets(error_feedback):
+    """Trains 4 steps in one bucket, saves, then goes on 4 steps from the checkpoint in one bucket and, from the
+    same checkpoint, in one bucket per parameter (a checkpoint of another bucket size: the earlier default's)."""
+    def make(cap):
+        model = _net()
+        return model, SharedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                      compression=Fixed(2e-3), link=None, bucket_cap_mb=cap, fallback="never",
+                                      error_feedback=error_feedback)
+
+    def train(model, opt, steps, start):
+        for s in range(start, start + steps):
+            x, y = _batch(dist.get_rank(), s)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    model, opt = make(25.0)
+    train(model, opt, 4, 0)
+    saved_model, saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    out = {}
+    for cap in (25.0, 1e-6):
+        model, opt = make(cap)
+        model.load_state_dict(saved_model)
+        opt.load_state_dict(copy.deepcopy(saved))
+        out[cap] = {"buckets": len(opt.sharing.buckets),
+                    "residual": torch.cat([b.residual for b in opt.sharing.buckets]).clone()}
+        train(model, opt, 4, 4)
+        out[cap]["params"] = torch.from_numpy(_flat(model))
+    return out
+
+
+@pytest.mark.parametrize("error_feedback", ["buffer", "model"])
+def test_a_checkpoint_loads_into_other_bucket_sizes_and_resumes_alike(error_feedback):
+    """An elementwise threshold decides each element alone (and no bucket falls back to a dense all-reduce), so
+    going on in other buckets sends what one bucket would have: the same parameters bit for bit (and the same on
+    both ranks)."""
+    a, b = run_local(_resume_in_other_buckets, 2, args=(error_feedback,), timeout=120)
+    for r in (a, b):
+        assert r[25.0]["buckets"] == 1 and r[1e-6]["buckets"] == 6
+        assert torch.equal(r[25.0]["residual"], r[1e-6]["residual"])
+        assert r[25.0]["residual"].abs().sum() > 0                      # the checkpoint held something
+        assert torch.equal(r[25.0]["params"], r[1e-6]["params"])
+    assert torch.equal(a[1e-6]["params"], b[1e-6]["params"])
+
+
+def test_a_checkpoint_of_other_parameters_is_refused_in_other_buckets():
+    from gradshare.sharing import _rebucket
+
+    saved = [{"n": 3, "residual": torch.zeros(3), "compression": {}}]
+    with pytest.raises(ValueError, match="hold 3 elements in 1 buckets, this one's 4 in 2"):
+        _rebucket(saved, None, [2, 2])
+    with pytest.raises(ValueError, match="velocity should be a tensor of 3 elements"):
+        _rebucket([dict(saved[0], velocity=torch.zeros(2))], None, [1, 2])
+    with pytest.raises(ValueError, match="mean result of some buckets and not of others"):
+        _rebucket(saved + [dict(saved[0])], [torch.zeros(3), None], [2, 4])
+    with pytest.raises(ValueError, match="bucket 1's mean result should be a tensor of 3 elements"):
+        _rebucket(saved + [dict(saved[0])], [torch.zeros(3), torch.zeros(2)], [2, 4])
+    out, starts = _rebucket([{"n": 3, "residual": torch.arange(3.0), "compression": {"a": 1}},
+                             {"n": 2, "residual": torch.arange(3.0, 5.0), "compression": {"a": 2}}],
+                            [torch.zeros(3), torch.ones(2)], [2, 3])
+    assert [o["residual"].tolist() for o in out] == [[0.0, 1.0], [2.0, 3.0, 4.0]]
+    assert [o["compression"] for o in out] == [{"a": 1}, {"a": 1}]          # the saved bucket of its first element
+    assert [s.tolist() for s in starts] == [[0.0, 0.0], [0.0, 1.0, 1.0]]
+    assert out[0]["velocity"] is None and out[0]["last sent"] is None

@@ -349,29 +349,38 @@ inline void stream_put(int32_t* s, int64_t off, int nbits, uint32_t value) {
 
 // Writes the kc selected entries (ascending local indices in sel[0..kc)) of a chunk of len elements in
 // `format`: top-k words (bf16 value | index) in place of sel, the 8-bit layout (scale, index pairs, int8
-// values), or the signs layout (scale, Elias-Fano indices, sign bits).
-void pack_topk(int32_t format, const float* u, const int32_t* sel, int64_t kc, int64_t len, int32_t* w) {
+// values), or the signs layout (scale, Elias-Fano indices, sign bits). With `kept` (u itself, phase 1), each
+// entry's sent value is subtracted from it as the entry is written, the value subtract_topk would read back.
+void pack_topk(int32_t format, float* u, const int32_t* sel, int64_t kc, int64_t len, int32_t* w, bool kept) {
   if (format == kTopKSign) {
     float acc[kLanes] = {0.0f};  // element.h's order over the entries: lane i % 32 adds entry i
     for (int64_t i = 0; i < kc; ++i) {
       const float x = u[sel[i]];
       acc[i % kLanes] += x < 0.0f ? -x : x;
     }
-    w[0] = float_to_bits(kc ? lane_tree(acc) / static_cast<float>(kc) : 0.0f);
+    const float s = kc ? lane_tree(acc) / static_cast<float>(kc) : 0.0f;
+    w[0] = float_to_bits(s);
     const int64_t bits = topks_chunk_bits(len, kc);
     std::fill(w + 1, w + 1 + (bits + 31) / 32, 0);
     const int l = ef_low_bits(len, kc);
     const int64_t hs = kc * l, ss = hs + (kc ? ef_high_bits(len, kc, l) : 0);
     for (int64_t i = 0; i < kc; ++i) {
       const uint32_t p = static_cast<uint32_t>(sel[i]);
+      const bool negative = u[p] < 0.0f;
       stream_put(w + 1, i * l, l, l ? (p & ((1u << l) - 1u)) : 0u);
       stream_put(w + 1, hs + (p >> l) + i, 1, 1u);
-      stream_put(w + 1, ss + i, 1, u[sel[i]] < 0.0f ? 1u : 0u);
+      stream_put(w + 1, ss + i, 1, negative ? 1u : 0u);
+      if (kept) u[p] -= sign_entry(s, negative);
     }
     return;
   }
   if (format == kTopK) {
-    for (int64_t i = 0; i < kc; ++i) w[i] = topk_word(bf16_bits(u[sel[i]]), sel[i]);
+    for (int64_t i = 0; i < kc; ++i) {
+      const int32_t p = sel[i];
+      const uint16_t v = bf16_bits(u[p]);
+      w[i] = topk_word(v, p);
+      if (kept) u[p] -= bf16_bits_to_float(v);
+    }
     return;
   }
   uint32_t big = 0;  // the largest |u| sent, as bits (they order non-negative floats)
@@ -381,14 +390,16 @@ void pack_topk(int32_t format, const float* u, const int32_t* sel, int64_t kc, i
   std::fill(w + 1, w + 1 + iw + vw, 0);
   w[0] = float_to_bits(s);
   for (int64_t i = 0; i < kc; ++i) {
-    const uint32_t q = static_cast<uint8_t>(static_cast<int8_t>(topk8_quantize(u[sel[i]], s)));
+    const int v = topk8_quantize(u[sel[i]], s);
+    const uint32_t q = static_cast<uint8_t>(static_cast<int8_t>(v));
     w[1 + i / 2] = static_cast<int32_t>(static_cast<uint32_t>(w[1 + i / 2]) | (static_cast<uint32_t>(sel[i]) << (16 * (i % 2))));
     w[1 + iw + i / 4] = static_cast<int32_t>(static_cast<uint32_t>(w[1 + iw + i / 4]) | (q << (8 * (i % 4))));
+    if (kept) u[sel[i]] -= topk8_entry(v, s);
   }
 }
 
-// kept[0, kc entries of chunk words w) -= the value each entry sent (exact in float32 for bf16 values; the
-// signs layout's entries are read back from the message, since the selection is not at hand in phase 2).
+// kept[0, kc entries of chunk words w) -= the value each entry sent (exact in float32 for bf16 values), read back
+// from the message: phase 2 (in place) has no selection at hand.
 void subtract_topk(int32_t format, const int32_t* w, int64_t kc, int64_t len, float* kept) {
   if (format == kTopKSign) {
     const float s = bits_to_float(w[0]);
@@ -449,10 +460,9 @@ ChunkedResult encode_topk_cpu(const void* update, int32_t dtype, const float* re
       bad[c] = load_topk(update, dtype, mo, residual, lo, len, uc, guessed ? &col : nullptr);
       if (bad[c] >= 0) continue;
       if (kc > 0) select_topk(uc, len, kc, scratch, sel.data(), guessed ? &col : nullptr);
-      pack_topk(format, uc, sel.data(), kc, len, w);
+      pack_topk(format, uc, sel.data(), kc, len, w, direct);
       if (mo.velocity)
         for (int64_t i = 0; i < kc; ++i) mo.out[lo + sel[i]] = 0.0f;  // momentum factor masking
-      if (direct) subtract_topk(format, w, kc, len, uc);
     }
   }
   const int64_t b = first_bad(bad, chunk);

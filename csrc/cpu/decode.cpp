@@ -69,40 +69,49 @@ GS_AVX2_CLONES void add_code_words(float* d, const int32_t* w, float v, int64_t 
     add_code_word(d + q * 16, static_cast<uint32_t>(w[q]), v, std::min<int64_t>(16, len - q * 16));
 }
 
-void apply_chunked(float* dst, const int32_t* msg, int64_t n, float scale) {
-  const int64_t chunk = msg[3], k = msg[4], nch = (n + chunk - 1) / chunk;
-  const int32_t* p = msg + kHeaderWords;
-  const int32_t format = msg[1];
-  const int64_t per_full = chunk_stride(format, chunk, k);
+// d[0, len) += chunk c's entries (words w) of a chunked message of `format`, k and `chunk` (len: the chunk's).
+void apply_chunk(float* d, const int32_t* w, int32_t format, int64_t k, int64_t chunk, int64_t len, float scale) {
+  if (format == kTopK8) {
+    const int64_t kc = topk_k(k, len, chunk);
+    const float s = bits_to_float(w[0]);
+    for (int64_t i = 0; i < kc; ++i) d[topk8_index(w, i)] += topk8_entry(topk8_value(w, kc, i), s) * scale;
+    return;
+  }
+  if (format == kTopKSign) {
+    const int64_t kc = topk_k(k, len, chunk);
+    const float s = bits_to_float(w[0]);
+    topks_for_each(w + 1, len, kc, [&](int64_t, int64_t pos, bool negative) {
+      d[pos] += sign_entry(s, negative) * scale;
+      return true;
+    });
+    return;
+  }
+  if (format == kTopK) {
+    for (int64_t i = 0; i < topk_k(k, len, chunk); ++i) {
+      const uint32_t e = static_cast<uint32_t>(w[i]);
+      d[e & 0xffffu] += bf16_bits_to_float(static_cast<uint16_t>(e >> 16)) * scale;
+    }
+    return;
+  }
+  add_code_words(d, w + 1, bits_to_float(w[0]) * scale, len);
+}
+
+// Chunked messages msgs[0, count) (rows of row_words), all with the same chunk size, applied chunk by chunk: chunk
+// c of every message in message order, then chunk c + 1. Each element still receives the messages' entries in
+// message order (the same sums as one message after another), and a chunk of dst is read and written once for
+// all of them while it is in cache, where message after message would pass over all of dst once each.
+void apply_chunked(float* dst, const int32_t* msgs, int64_t count, int64_t row_words, int64_t n, float scale) {
+  const int64_t chunk = msgs[3], nch = (n + chunk - 1) / chunk;
   GS_PARALLEL_FOR(n >= kParallelMin)
   for (int64_t c = 0; c < nch; ++c) {
-    const int64_t lo = c * chunk, len = chunk_len(n, chunk, c);
-    const int32_t* w = p + c * per_full;
-    float* d = dst + lo;
-    if (format == kTopK8) {
-      const int64_t kc = topk_k(k, len, chunk);
-      const float s = bits_to_float(w[0]);
-      for (int64_t i = 0; i < kc; ++i)
-        d[topk8_index(w, i)] += topk8_entry(topk8_value(w, kc, i), s) * scale;
-      continue;
+    const int64_t len = chunk_len(n, chunk, c);
+    for (int64_t m = 0; m < count; ++m) {
+      const int32_t* msg = msgs + m * row_words;
+      const int32_t format = msg[1];
+      const int64_t k = msg[4];
+      apply_chunk(dst + c * chunk, msg + kHeaderWords + c * chunk_stride(format, chunk, k), format, k, chunk, len,
+                  scale);
     }
-    if (format == kTopKSign) {
-      const int64_t kc = topk_k(k, len, chunk);
-      const float s = bits_to_float(w[0]);
-      topks_for_each(w + 1, len, kc, [&](int64_t, int64_t pos, bool negative) {
-        d[pos] += sign_entry(s, negative) * scale;
-        return true;
-      });
-      continue;
-    }
-    if (format == kTopK) {
-      for (int64_t i = 0; i < topk_k(k, len, chunk); ++i) {
-        const uint32_t e = static_cast<uint32_t>(w[i]);
-        d[e & 0xffffu] += bf16_bits_to_float(static_cast<uint16_t>(e >> 16)) * scale;
-      }
-      continue;
-    }
-    add_code_words(d, w + 1, bits_to_float(w[0]) * scale, len);
   }
 }
 
@@ -138,10 +147,6 @@ void validate(const int32_t* msg, int64_t m, int64_t row_words, int64_t n, float
 }
 
 void apply(float* dst, const int32_t* msg, int64_t n, float scale) {
-  if (is_chunked(msg[1])) {
-    apply_chunked(dst, msg, n, scale);
-    return;
-  }
   const float v = entry_value(bits_to_float(msg[4]), scale);
   const int32_t* p = msg + kHeaderWords;
   if (msg[1] == kSparse) {
@@ -170,7 +175,19 @@ void decode_cpu(float* dst, int64_t n, const int32_t* msgs, int64_t num_msgs, in
   if (!is_finite(scale)) throw std::invalid_argument("scale must be finite");
   for (int64_t m = 0; m < num_msgs; ++m) validate(msgs + m * row_words, m, row_words, n, scale);
   if (dst == nullptr) return;  // validation only
-  for (int64_t m = 0; m < num_msgs; ++m) apply(dst, msgs + m * row_words, n, scale);
+  // Runs of chunked messages with one chunk size (an all-gather's rows: every rank encodes alike) go together.
+  for (int64_t m = 0; m < num_msgs;) {
+    const int32_t* msg = msgs + m * row_words;
+    if (!is_chunked(msg[1])) {
+      apply(dst, msg, n, scale);
+      ++m;
+      continue;
+    }
+    int64_t e = m + 1;
+    while (e < num_msgs && is_chunked(msgs[e * row_words + 1]) && msgs[e * row_words + 3] == msg[3]) ++e;
+    apply_chunked(dst, msg, e - m, row_words, n, scale);
+    m = e;
+  }
 }
 
 }  // namespace gs

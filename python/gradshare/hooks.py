@@ -94,7 +94,9 @@ class ThresholdState(SharingFront):
             shared with the compression chosen for it, the first one's link-aware choice taken by all. A
             parameter of the DDP model that no optimizer given steps is all-reduced as DDP does; an optimizer
             not given that steps parameters a given one steps raises (the replicas would differ).
-        bucket_cap_mb: bucket size (fp32 MiB) of the updates mode.
+        bucket_cap_mb: bucket size (fp32 MiB) of the updates mode; None (default): a quarter of the shared
+            parameters' size, between 8 and 25 MiB (gradshare.sharing.auto_bucket_cap_mb: a few buckets, so that
+            one is encoded while another travels).
         link: "auto" (default): with ``optimizer=`` and the default compression, steps on which the link
             makes compression slower than DDP's all-reduce are DDP's all-reduce (gradshare.link); None:
             always compress.
@@ -132,7 +134,7 @@ class ThresholdState(SharingFront):
     def __init__(self, process_group=None, compression: Any = None, clipping: Any = _DEFAULT,
                  nonfinite: str = "raise", *, average: bool = True, fallback: str = "auto",
                  stats: Optional[Statistics] = None, momentum: Optional[float] = None,
-                 optimizer: Any = None, bucket_cap_mb: float = 25.0,
+                 optimizer: Any = None, bucket_cap_mb: Optional[float] = None,
                  link: Any = "auto", scaler: Optional[Any] = None, delay: int = 0,
                  momentum_masking: Optional[bool] = None, error_feedback: Optional[str] = None):
         optimizers = _optimizers(optimizer)

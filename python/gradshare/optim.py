@@ -75,7 +75,9 @@ class SharedOptimizer(SharingFront, WrappedOptimizer, Joinable):
         process_group: the group to share over (None: default group; gloo or NCCL).
         nonfinite: "raise" or "skip".
         reduce: "mean" (default) or "sum" (DL4J) of the ranks' contributions.
-        bucket_cap_mb: bucket size cap (fp32 MiB). fallback: "auto" / "never" / "always" dense path.
+        bucket_cap_mb: bucket size cap (fp32 MiB); None (default): a quarter of the group's parameters' size,
+            between 8 and 25 MiB (gradshare.sharing.auto_bucket_cap_mb). fallback: "auto" / "never" / "always"
+            dense path.
         stats: a Statistics to record into (default: a new one, ``opt.stats``).
         momentum: None (default) or m in [0, 1): momentum correction in gradshare, mode "gradients" only;
             the inner optimizer must have no momentum.
@@ -113,7 +115,7 @@ class SharedOptimizer(SharingFront, WrappedOptimizer, Joinable):
     @renamed_kwargs(threshold="compression")
     def __init__(self, optimizer: torch.optim.Optimizer, mode: str = "updates", compression: Any = None,
                  clipping: Any = _DEFAULT, process_group=None, nonfinite: str = "raise", *, reduce: str = "mean",
-                 bucket_cap_mb: float = 25.0, fallback: str = "auto", stats: Optional[Statistics] = None,
+                 bucket_cap_mb: Optional[float] = None, fallback: str = "auto", stats: Optional[Statistics] = None,
                  momentum: Optional[float] = None, link: Any = "auto", delay: int = 0,
                  momentum_masking: Optional[bool] = None, error_feedback: Optional[str] = None):
         if mode not in MODES:
@@ -132,7 +134,7 @@ class SharedOptimizer(SharingFront, WrappedOptimizer, Joinable):
         self._joined = False                      # in a step taken for a rank out of inputs (join_hook)
         self._scaler_seen = False                 # whether a GradScaler has called step() (its flags gathered)
         self.mode = mode
-        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.bucket_cap_mb = None if bucket_cap_mb is None else float(bucket_cap_mb)
         clip = ResidualClipping() if clipping is _DEFAULT else clipping
         self.sharing = Sharing(compression, optimizer=optimizer, process_group=process_group, reduce=reduce,
                                nonfinite=nonfinite, fallback=fallback, stats=stats, momentum=momentum,

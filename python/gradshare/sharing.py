@@ -292,9 +292,27 @@ class Bucket:
                 p.grad.copy_(v)
 
 
-def group_parameters(params: Iterable[torch.Tensor], cap_mb: float) -> List[List[torch.Tensor]]:
+# bucket_cap_mb=None (SharedOptimizer, ThresholdState): a quarter of the shared parameters' float32 size, at least
+# AUTO_BUCKET_MIN_MB and at most DDP's 25. A step's exchanges start after the optimizer's step, one bucket after the
+# other: in one bucket the link waits while the whole update is encoded and the CPU while the whole message
+# travels; in a few, the next bucket is encoded while the last one travels. Models under 8 MiB keep one bucket
+# (each exchange has a latency of its own, and so does each bucket's pass in Python), large ones DDP's size.
+AUTO_BUCKET_MIN_MB = 8.0
+AUTO_BUCKET_MAX_MB = 25.0
+
+
+def auto_bucket_cap_mb(params: Sequence[torch.Tensor]) -> float:
+    """The bucket size ``bucket_cap_mb=None`` gives ``params`` (those that need gradients), in fp32 MiB."""
+    total = sum(p.numel() for p in params if p.requires_grad) * 4 / 2**20
+    return min(AUTO_BUCKET_MAX_MB, max(AUTO_BUCKET_MIN_MB, total / 4))
+
+
+def group_parameters(params: Iterable[torch.Tensor], cap_mb: Optional[float]) -> List[List[torch.Tensor]]:
     """Parameters that need gradients, in order, into buckets of one device and dtype of at most ``cap_mb``
-    MiB of float32 each (a larger parameter gets a bucket of its own)."""
+    MiB of float32 each (a larger parameter gets a bucket of its own; None: :func:`auto_bucket_cap_mb`)."""
+    params = list(params)
+    if cap_mb is None:
+        cap_mb = auto_bucket_cap_mb(params)
     cap = max(1, int(cap_mb * 2**20 / 4))
     seen, open_, done = set(), {}, []
     for p in params:
@@ -527,13 +545,13 @@ class Sharing:
             b.velocity_spare = torch.empty_like(b.residual)
         return b
 
-    def build(self, params: Iterable[torch.Tensor], cap_mb: float = 25.0) -> List[Bucket]:
+    def build(self, params: Iterable[torch.Tensor], cap_mb: Optional[float] = 25.0) -> List[Bucket]:
         """Buckets for ``params`` (gradshare.sharing.group_parameters); replaces the current ones."""
         self.buckets = []
         self._param_ids = set()
         return self.extend(params, cap_mb)
 
-    def extend(self, params: Iterable[torch.Tensor], cap_mb: float = 25.0) -> List[Bucket]:
+    def extend(self, params: Iterable[torch.Tensor], cap_mb: Optional[float] = 25.0) -> List[Bucket]:
         """New buckets after the current ones for ``params`` (a parameter group added to the optimizer); a
         parameter some bucket holds already is refused."""
         held = {id(p) for b in self.buckets for p in b.params}
@@ -657,15 +675,18 @@ class Sharing:
         error after every exchange has ended, so no collective is left in flight, with every bucket restored."""
         return self.collect(self.launch(items, apply_later))
 
-    def launch(self, items: Sequence[Tuple[Bucket, torch.Tensor, Optional[torch.Tensor]]],
+    def launch(self, items: Sequence[Tuple[Bucket, Any, Optional[torch.Tensor]]],
                apply_later: bool = False) -> List[Tuple[Bucket, Any]]:
-        """Starts the exchange of (bucket, update, out) for every bucket, in order. A launch that fails
-        leaves its error in place of its future, and none after it is started (:meth:`collect` raises it)."""
+        """Starts the exchange of (bucket, update, out) for every bucket, in order. An update may be a callable
+        that makes it, called just before the bucket is encoded (while the buckets before it travel). A launch
+        that fails leaves its error in place of its future, and none after it is started (:meth:`collect`
+        raises it)."""
         futures: List[Tuple[Bucket, Any]] = []
         self.agree_all(b for b, _, _ in items)
         for b, u, o in items:
             try:
-                futures.append((b, self.start(b, u, o, f"bucket {b.index}", apply_later)))
+                update = u() if callable(u) else u
+                futures.append((b, self.start(b, update, o, f"bucket {b.index}", apply_later)))
             except BaseException as e:  # noqa: BLE001  (a launch failed: wait for those launched, restore all)
                 futures.append((b, e))
                 break
@@ -751,13 +772,15 @@ class Sharing:
         if self.delay:
             return self._share_updates_late(share_grads, joined)
         bs = self.buckets if buckets is None else list(buckets)
-        deltas = self._deltas(share_grads, bs, joined)
-        watched = (self.masking.before(bs, deltas)
-                   if self.masking is not None and outer is None and not (share_grads or joined) else None)
+        masked = self.masking is not None and outer is None and not (share_grads or joined)
+        # Each bucket's update is made just before it is encoded (the buckets before it travel meanwhile), but
+        # where momentum masking reads every update first.
+        deltas = self._deltas(share_grads, bs, joined, lazy=not masked)
+        watched = self.masking.before(bs, deltas) if masked else None
         # The mean result moves by the decoded mean: decoded straight into it (once every bucket's exchange is
         # in), where nothing else reads the mean.
         into_snapshot = self.own_models and outer is None and not watched
-        items = [(b, d, None if into_snapshot else d) for b, d in zip(bs, deltas)]
+        items = [(b, d, None if into_snapshot else b.flat) for b, d in zip(bs, deltas)]
         try:
             results = self.run(items, apply_later=into_snapshot)
         except BaseException:
@@ -802,25 +825,28 @@ class Sharing:
                 b.set_params(b.snapshot)
 
     def _deltas(self, share_grads: bool, buckets: Optional[Sequence[Bucket]] = None,
-                joined: bool = False) -> List[torch.Tensor]:
+                joined: bool = False, lazy: bool = False) -> List[Any]:
         """Each bucket's update of this step in its ``flat`` buffer: the change since :meth:`begin_updates` (as
-        Adam on the global batch would have made it), the gradients (``share_grads``), or zero (``joined``)."""
+        Adam on the global batch would have made it), the gradients (``share_grads``), or zero (``joined``).
+        ``lazy``: for each bucket a callable that makes it (:meth:`launch` calls them in turn)."""
         groups = second_moment.groups_of(self.optimizer) if self.global_second_moment and not share_grads else None
-        out = []
-        for b in (self.buckets if buckets is None else buckets):
+
+        def delta_of(b: Bucket) -> torch.Tensor:
             if joined:
-                out.append(b.flat.zero_())
-                continue
+                return b.flat.zero_()
             if share_grads:
-                out.append(b.gather_grads(b.flat))
-                continue
+                return b.gather_grads(b.flat)
             delta = b.change(b.flat)                      # before - after: this rank's update
             if self.error_feedback == "model":            # the rank's own start is snapshot - residual
                 delta.sub_(b.residual)
             if groups is not None:                        # this rank's own step, made the global batch's
                 self._to_global_batch(b, delta, groups)
-            out.append(delta)
-        return out
+            return delta
+
+        bs = self.buckets if buckets is None else buckets
+        if lazy:
+            return [lambda b=b: delta_of(b) for b in bs]
+        return [delta_of(b) for b in bs]
 
     def _land(self) -> None:
         """delay=1: waits for the last step's exchanges and ends that step (residuals committed, statistics);
@@ -1320,10 +1346,9 @@ class Sharing:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         saved = state["buckets"]
-        if len(saved) != len(self.buckets):
-            raise ValueError(f"load_state_dict: the checkpoint has {len(saved)} buckets, this one {len(self.buckets)} "
-                             "(the same parameters and bucket size are needed)")
         starts = state.get("starts") if self.own_models else None
+        if [int(s["n"]) for s in saved] != [b.n for b in self.buckets]:
+            saved, starts = _rebucket(saved, starts, [b.n for b in self.buckets])
         for i, (b, s) in enumerate(zip(self.buckets, saved)):
             if int(s["n"]) != b.n:
                 raise ValueError(f"load_state_dict: bucket {b.index} has {b.n} elements, the checkpoint {s['n']}")
@@ -1378,6 +1403,58 @@ class Sharing:
                     b.mean = torch.empty_like(b.residual)
                 b.mean.copy_(m)
             self._arrived = True
+
+
+def _rebucket(saved: List[Dict[str, Any]], starts: Optional[List[Any]], sizes: List[int]):
+    """A checkpoint's buckets cut as ``sizes`` (the same parameters in the same order, bucketed another way: another
+    ``bucket_cap_mb``, or a checkpoint of an earlier default): the per-element state joined and cut again; each
+    new bucket's compression state (thresholds, warm-up) is that of the saved bucket its first element was in."""
+    total = sum(int(s["n"]) for s in saved)
+    if total != sum(sizes):
+        raise ValueError(f"load_state_dict: the checkpoint's buckets hold {total} elements in {len(saved)} buckets, "
+                         f"this one's {sum(sizes)} in {len(sizes)} (the same parameters are needed)")
+    for s in saved:
+        if not torch.is_tensor(s.get("residual")) or s["residual"].numel() != int(s["n"]):
+            raise ValueError("load_state_dict: a checkpoint bucket's residual does not hold its n elements")
+
+    def joined(key: str, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        parts = [s.get(key) for s in saved]
+        if all(t is None for t in parts):
+            return None
+        bad = [i for i, (t, s) in enumerate(zip(parts, saved)) if t is not None and
+               (not torch.is_tensor(t) or t.numel() != int(s["n"]))]
+        if bad:
+            raise ValueError(f"load_state_dict: bucket {bad[0]}'s {key} should be a tensor of {saved[bad[0]]['n']} "
+                             "elements")
+        return torch.cat([torch.zeros(int(s["n"]), dtype=dtype) if t is None else t.detach().reshape(-1).cpu().to(dtype)
+                          for t, s in zip(parts, saved)])
+
+    fields = {"residual": joined("residual", torch.float32), "velocity": joined("velocity", torch.float32),
+              "last sent": joined("last sent", torch.int8)}
+    held = None                                  # error_feedback="model": the mean result, joined
+    if starts is not None and any(t is not None for t in starts):
+        if len(starts) != len(saved) or any(t is None for t in starts):
+            raise ValueError("load_state_dict: the checkpoint holds the mean result of some buckets and not of "
+                             "others; it loads only into its own bucket sizes")
+        bad = [i for i, (t, s) in enumerate(zip(starts, saved)) if not torch.is_tensor(t) or t.numel() != int(s["n"])]
+        if bad:
+            raise ValueError(f"load_state_dict: bucket {bad[0]}'s mean result should be a tensor of "
+                             f"{saved[bad[0]]['n']} elements")
+        held = torch.cat([t.detach().reshape(-1).cpu().float() for t in starts])
+    firsts, off = [], 0
+    for s in saved:
+        firsts.append(off)
+        off += int(s["n"])
+    out, new_starts, off = [], [], 0
+    for n in sizes:
+        home = next((i for i, (f, s) in enumerate(zip(firsts, saved)) if f <= off < f + int(s["n"])), len(saved) - 1)
+        b = {"n": n, "compression": saved[home]["compression"]}
+        for key, t in fields.items():
+            b[key] = None if t is None else t[off:off + n].clone()
+        out.append(b)
+        new_starts.append(None if held is None else held[off:off + n].clone())
+        off += n
+    return out, (None if starts is None else new_starts)
 
 
 # make_consistent: a state tensor of at least this many elements is averaged where it is (no copy); smaller ones
