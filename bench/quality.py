@@ -141,6 +141,17 @@ class ByteCounter:
 
 
 # ------------------------------------------------------------------------------------ one rank
+def _cosine(opt, steps: int, warmup: int = 0):
+    """The learning rate decayed to 0 along a cosine over ``steps``; with ``warmup``, first raised linearly from
+    ~0 over that many steps (the cosine then over the rest)."""
+    import torch
+
+    if not warmup:
+        return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / (steps - warmup))))
+
+
 def rank_main(cfg: Dict) -> Dict:
     import torch
     import torch.distributed as dist
@@ -228,7 +239,7 @@ def rank_main(cfg: Dict) -> Dict:
         if name == "gradshare_own_moment":
             state.sharing.global_second_moment = False
         net.register_comm_hook(state, gradshare.threshold_hook)
-    scheds = ([torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=wl.steps) for o in [opt] + others]
+    scheds = ([_cosine(o, wl.steps, wl.warmup) for o in [opt] + others]
               if cfg.get("schedule", "cosine") == "cosine" else [])          # "constant": the optimizer's lr
     losses, t0 = [], time.perf_counter()
     scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")

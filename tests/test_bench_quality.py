@@ -68,3 +68,36 @@ def test_the_copy_workload_asks_for_the_previous_token_and_judges_held_out_seque
     model = workloads.WORKLOADS["copy_lstm"].model()
     assert model(x0).shape == (16, workloads.COPY_LENGTH, workloads.COPY_VOCAB)
     assert model.head.weight is model.emb.weight                         # tied
+
+
+def test_the_vision_transformer_recipe_warms_up_then_decays_and_spares_norms_from_weight_decay():
+    import torch
+
+    workloads = pytest.importorskip("workloads")
+    wl = workloads.WORKLOADS["vit_mnist"]
+    model = wl.model()
+    assert model(torch.randn(5, 1, 28, 28)).shape == (5, 10)
+    opt = wl.optimizer(model.parameters())
+    decayed, spared = opt.param_groups
+    assert decayed["weight_decay"] == 0.05 and spared["weight_decay"] == 0.0
+    assert {id(p) for p in decayed["params"]} == {id(p) for p in model.parameters() if p.ndim == 2}
+    assert any(p is model.cls for p in spared["params"]) and any(p is model.pos for p in spared["params"])
+    lr0 = decayed["lr"]
+    sched = quality._cosine(opt, wl.steps, wl.warmup)
+    lrs = [opt.param_groups[0]["lr"]]
+    for _ in range(wl.steps - 1):
+        opt.step()
+        sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    assert lrs[0] == pytest.approx(lr0 / wl.warmup)                            # from ~0 ...
+    assert lrs[wl.warmup - 1] == pytest.approx(lr0)                            # ... up to the peak over the warm-up
+    assert all(a < b for a, b in zip(lrs[:wl.warmup - 1], lrs[1:wl.warmup]))
+    assert all(a >= b for a, b in zip(lrs[wl.warmup:], lrs[wl.warmup + 1:]))  # then down along the cosine
+    assert lrs[-1] < 1e-3 * lr0
+    assert quality._cosine(opt, 10).__class__ is torch.optim.lr_scheduler.CosineAnnealingLR   # no warm-up: as before
+    # label smoothing in the training loss only: a confident right answer still costs something
+    data = workloads.Data.__new__(workloads.Data)
+    data.workload = "vit_mnist"
+    sure = torch.full((1, 10), -30.0)
+    sure[0, 3] = 30.0
+    assert float(data.loss(sure, torch.tensor([3]))) > 0.1
