@@ -101,3 +101,33 @@ def test_the_vision_transformer_recipe_warms_up_then_decays_and_spares_norms_fro
     sure = torch.full((1, 10), -30.0)
     sure[0, 3] = 30.0
     assert float(data.loss(sure, torch.tensor([3]))) > 0.1
+
+
+def test_the_recommender_draws_pairs_by_popularity_and_is_judged_by_squared_error_to_noiseless_ratings():
+    import torch
+
+    workloads = pytest.importorskip("workloads")
+    wl = workloads.WORKLOADS["recommender"]
+    model = wl.model()
+    assert sum(p.numel() for p in model.parameters()) == 99_000
+    data = workloads.Data("recommender", seed=0)
+    x0, y0 = data.batch(5, 0, 2, wl.batch)
+    x1, _ = data.batch(5, 1, 2, wl.batch)
+    assert x0.shape == (wl.batch, 2) and y0.shape == (wl.batch,)
+    assert torch.equal(x0, workloads.Data("recommender", seed=0).batch(5, 0, 2, wl.batch)[0])   # reproducible
+    assert not torch.equal(x0, x1)                                                           # ranks differ
+    assert not torch.equal(x0, workloads.Data("recommender", seed=1).batch(5, 0, 2, wl.batch)[0])
+    # Popular items far more often than rare ones: a step's gradient touches few rows of the tables
+    items = torch.cat([data.batch(s, 0, 1, wl.batch)[0][:, 1] for s in range(200)])
+    counts = torch.bincount(items, minlength=1000)
+    assert counts[:10].float().mean() > 30 * counts[-100:].float().mean()   # about 100x by the weights
+    assert len(torch.unique(x0[:, 0])) < 0.05 * 2000
+    # judged by squared error to the noiseless ratings: the hidden model itself scores 0, the zero model their variance
+    x, y = data.valid
+    with torch.no_grad():
+        assert data.evaluate(model) == pytest.approx(float(((model(x) - y) ** 2).mean()), rel=1e-6)
+    with torch.no_grad():
+        for e in (model.user, model.item, model.user_bias, model.item_bias):
+            e.weight.zero_()
+    assert data.evaluate(model) == pytest.approx(float((y ** 2).mean()), rel=1e-6)
+    assert float(data.loss(y, y)) == 0.0

@@ -66,6 +66,7 @@ from gradshare import comm, momentum_masking as masking
 from gradshare._deprecation import RenamedAttribute, renamed_kwargs
 from gradshare.comm import NonFiniteStepError
 from gradshare.sharing import Bucket, Sharing, SharingFront
+from gradshare.sparse_moments import EVERY as SPARSE_MOMENTS_EVERY
 from gradshare.costmodel import ring_allreduce_bytes
 from gradshare.link import ALLREDUCE
 from gradshare.process_group import chain
@@ -127,6 +128,10 @@ class ThresholdState(SharingFront):
             on (gradshare.sharing, ``show_mean``). ``state.merge()`` sends what waits, uncompressed. "buffer":
             in gradshare's residual, every rank's parameters the same mean result at every point (Adam's kin
             ternary-coded by default, SGD top-k with 8-bit values, momentum masking).
+        sparse_moments: with ``optimizer=`` an adaptive optimizer (Adam's kin, RMSprop, Adagrad, Adadelta), every
+            this many steps the ranks average its second moment of the parameters whose gradients are mostly zero
+            (embedding tables, found over the first steps): each rank's own counts only its share of their rare
+            gradients (gradshare.sparse_moments). Default 50; 0 or None: never.
         threshold: the former name of ``compression`` (deprecated).
     """
 
@@ -136,7 +141,8 @@ class ThresholdState(SharingFront):
                  stats: Optional[Statistics] = None, momentum: Optional[float] = None,
                  optimizer: Any = None, bucket_cap_mb: Optional[float] = None,
                  link: Any = "auto", scaler: Optional[Any] = None, delay: int = 0,
-                 momentum_masking: Optional[bool] = None, error_feedback: Optional[str] = None):
+                 momentum_masking: Optional[bool] = None, error_feedback: Optional[str] = None,
+                 sparse_moments: Optional[int] = SPARSE_MOMENTS_EVERY):
         optimizers = _optimizers(optimizer)
         optimizer = optimizers[0] if optimizers else None
         if len(optimizers) > 1 and delay:
@@ -149,7 +155,7 @@ class ThresholdState(SharingFront):
         self._config = {"compression": compression, "clipping": clip, "nonfinite": nonfinite,
                         "average": average, "fallback": fallback, "momentum": momentum,
                         "bucket_cap_mb": bucket_cap_mb, "link": link, "delay": delay,
-                        "error_feedback": error_feedback}
+                        "error_feedback": error_feedback, "sparse_moments": sparse_moments}
         # Gradients mode under a GradScaler: an overflow is the scaler's to handle (every rank skips it).
         self.scaler = scaler if optimizer is None else None
         if self.scaler is not None and not callable(getattr(self.scaler, "get_scale", None)):
@@ -161,7 +167,7 @@ class ThresholdState(SharingFront):
                                mode="updates" if optimizer is not None else "gradients", link=link, delay=delay,
                                momentum_masking=momentum_masking and (masking.applies(optimizer) or not any(
                                    masking.applies(o) for o in optimizers)), error_feedback=error_feedback,
-                               show_mean=True)
+                               show_mean=True, sparse_moments=sparse_moments)
         self.optimizer = optimizer                 # the first optimizer given: its core decides the path
         self.optimizers = optimizers
         self.sharings: List[Sharing] = [self.sharing]
@@ -187,7 +193,7 @@ class ThresholdState(SharingFront):
                 compression, optimizer=opt, process_group=process_group, reduce="mean" if average else "sum",
                 nonfinite=nonfinite, fallback=fallback, stats=self.sharing.stats, clipping=clip, mode="updates",
                 link=None, momentum_masking=momentum_masking and masking.applies(opt), error_feedback=error_feedback,
-                show_mean=True)
+                show_mean=True, sparse_moments=sparse_moments)
             sh.build((p for g in opt.param_groups for p in g["params"]), bucket_cap_mb)
             if i:
                 first = sum(len(c.buckets) for c in self.sharings)
@@ -474,7 +480,8 @@ class ThresholdState(SharingFront):
         self.__init__(None, cfg["compression"], cfg["clipping"], cfg["nonfinite"], average=cfg["average"],
                       fallback=cfg["fallback"], stats=Statistics(**d["stats_config"]), momentum=cfg["momentum"],
                       bucket_cap_mb=cfg["bucket_cap_mb"], link=cfg.get("link", "auto"),
-                      error_feedback=cfg.get("error_feedback"))
+                      error_feedback=cfg.get("error_feedback"),
+                      sparse_moments=cfg.get("sparse_moments", SPARSE_MOMENTS_EVERY))
         if d.get("state") is not None:
             self.load_state_dict(d["state"])
 

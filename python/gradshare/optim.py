@@ -56,6 +56,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from gradshare._deprecation import renamed_kwargs
 from gradshare.compression import Strom
 from gradshare.sharing import Sharing, SharingFront
+from gradshare.sparse_moments import EVERY as SPARSE_MOMENTS_EVERY
 from gradshare.stats import Statistics
 from gradshare.thresholds import ResidualClipping
 from gradshare.wrapped_optimizer import WrappedOptimizer, steps_the_inner_optimizer
@@ -103,6 +104,10 @@ class SharedOptimizer(SharingFront, WrappedOptimizer, Joinable):
             that trains puts each rank's own model back on (gradshare.sharing, ``show_mean``). ``opt.merge()``
             sends what waits, uncompressed. "buffer": in gradshare's residual, every rank's parameters the same
             mean result at every point.
+        sparse_moments: "updates" mode with an adaptive inner optimizer (Adam's kin, RMSprop, Adagrad, Adadelta):
+            every this many steps the ranks average its second moment of the parameters whose gradients are
+            mostly zero (embedding tables, found over the first steps): each rank's own counts only its share of
+            their rare gradients (gradshare.sparse_moments). Default 50; 0 or None: never.
         threshold: the former name of ``compression`` (deprecated).
 
     It is a torch.optim.Optimizer over the inner optimizer's ``param_groups`` and ``state`` (the same objects):
@@ -117,7 +122,8 @@ class SharedOptimizer(SharingFront, WrappedOptimizer, Joinable):
                  clipping: Any = _DEFAULT, process_group=None, nonfinite: str = "raise", *, reduce: str = "mean",
                  bucket_cap_mb: Optional[float] = None, fallback: str = "auto", stats: Optional[Statistics] = None,
                  momentum: Optional[float] = None, link: Any = "auto", delay: int = 0,
-                 momentum_masking: Optional[bool] = None, error_feedback: Optional[str] = None):
+                 momentum_masking: Optional[bool] = None, error_feedback: Optional[str] = None,
+                 sparse_moments: Optional[int] = SPARSE_MOMENTS_EVERY):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
         if momentum is not None:
@@ -139,7 +145,7 @@ class SharedOptimizer(SharingFront, WrappedOptimizer, Joinable):
         self.sharing = Sharing(compression, optimizer=optimizer, process_group=process_group, reduce=reduce,
                                nonfinite=nonfinite, fallback=fallback, stats=stats, momentum=momentum,
                                clipping=clip, mode=mode, link=link, delay=delay, momentum_masking=momentum_masking,
-                               error_feedback=error_feedback, show_mean=True)
+                               error_feedback=error_feedback, show_mean=True, sparse_moments=sparse_moments)
         self.sharing.build((p for g in optimizer.param_groups for p in g["params"]), bucket_cap_mb)
 
     # -- gradshare state -------------------------------------------------------------------------------

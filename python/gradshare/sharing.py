@@ -72,6 +72,7 @@ from gradshare.comm import ExchangeResult, NonFiniteStepError, exchange_async
 from gradshare.compression import Compression, Dense, as_compression, for_optimizer
 from gradshare.costmodel import Link, ring_allreduce_bytes
 from gradshare.link import ALLREDUCE, ALLREDUCE_BF16, MODEL_MARGIN, LinkAware
+from gradshare.sparse_moments import EVERY as SPARSE_MOMENTS_EVERY, SparseMoments
 from gradshare.stats import Statistics, StepRecord, residual_norm
 
 NONFINITE = ("raise", "skip")
@@ -431,6 +432,9 @@ class Sharing:
             where it applies by default (updates, ``delay=0``, ``error_feedback="buffer"``; SGD with a compression
             that holds something back, Adam's kin with top-k); True: for those optimizers with any compression, refused where it cannot
             apply; False: off.
+        sparse_moments: sharing an adaptive optimizer's updates, every this many steps the ranks average its
+            second moment of the parameters whose gradients are mostly zero (embedding tables: detected over the
+            first steps; gradshare.sparse_moments); 0 or None: never. Not used by local steps.
     """
 
     def __init__(self, compression: Any = None, *, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -438,7 +442,7 @@ class Sharing:
                  stats: Optional[Statistics] = None, momentum: Optional[float] = None, clipping=None,
                  mode: str = "gradients", residual_decay: float = 1.0, link: Any = "auto", delay: int = 0,
                  momentum_masking: Optional[bool] = None, error_feedback: Optional[str] = None,
-                 show_mean: bool = False):
+                 show_mean: bool = False, sparse_moments: Optional[int] = SPARSE_MOMENTS_EVERY):
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite: expected 'raise' or 'skip', got {nonfinite!r}")
         if reduce not in REDUCE:
@@ -492,6 +496,8 @@ class Sharing:
         # leave the optimizer's state as it is.
         self.global_second_moment = mode == "updates" and second_moment.applies(optimizer)
         self.rescale = second_moment.GlobalBatchStep(optimizer if self.global_second_moment else None)
+        # ... and the second moment of mostly-zero gradients' parameters averaged now and then (module docstring)
+        self.sparse_moments = SparseMoments(optimizer if self.global_second_moment else None, sparse_moments)
         chosen = as_compression(compression, clipping)
         self.compression = chosen or for_optimizer(optimizer, own_models=self.own_models)
         # The optimizer's momentum masked where an element that waited swung back (gradshare.momentum_masking):
@@ -575,6 +581,7 @@ class Sharing:
                 "fallback": self.fallback, "momentum": self.momentum, "residual decay": self.residual_decay,
                 "error feedback": self.error_feedback,
                 "second moment": "global batch" if self.global_second_moment else "own",
+                "sparse moments": self.sparse_moments.config() if self.sparse_moments.active else None,
                 "link": None if self.link is None else self.link.config(), "delay": self.delay, "bucket": b.index,
                 "bucket layout": [f"{tuple(p.shape)} {str(p.dtype).replace('torch.', '')}" for p in b.params]}
 
@@ -808,8 +815,16 @@ class Sharing:
                 self._await_forward()
         else:
             self._apply_mean(bs, [b.flat for b in bs], ok, outer)
+        self._after_shared_step()
         self.link_step_ended()
         return ok
+
+    def _after_shared_step(self) -> None:
+        """After a step that shared updates, on every rank: the sparse parameters' second moments averaged when
+        due (gradshare.sparse_moments; its bytes go into the next step's record)."""
+        if self.sparse_moments.active:
+            self._sync_bytes += self.sparse_moments.after_step([p for b in self.buckets for p in b.params],
+                                                               self.step, self.process_group)
 
     def _apply_mean(self, buckets: Sequence[Bucket], means: Sequence[torch.Tensor], ok: bool,
                     outer: Optional[torch.optim.Optimizer]) -> None:
@@ -879,6 +894,7 @@ class Sharing:
         if any(isinstance(f, BaseException) for _, f in launched):
             self.collect(launched)                # a launch failed: waits for the others and raises
         self._inflight = launched
+        self._after_shared_step()
         return arrived is not False
 
     @torch.no_grad()
@@ -1332,6 +1348,7 @@ class Sharing:
                            if self.own_models else None),
                 "states equal": self._consistent, "delay": self.delay, "late mean": late,
                 "mean gradient": self.rescale.state_dict(),
+                "sparse moments": self.sparse_moments.state_dict(),
                 "rounding": {k: r.detach().cpu().clone() for k, r in self._roundings.items()}}
 
     def _late_means(self) -> Optional[List[torch.Tensor]]:
@@ -1386,6 +1403,7 @@ class Sharing:
         if self.link is not None and state.get("link") is not None:
             self.link.load_state_dict(state["link"])
         self.rescale.load_state_dict(state.get("mean gradient"))
+        self.sparse_moments.load_state_dict(state.get("sparse moments"), sum(len(b.params) for b in self.buckets))
         rounding = state.get("rounding") or {}
         if not all(isinstance(k, str) and torch.is_tensor(r) and r.dim() == 1 for k, r in rounding.items()):
             raise ValueError("load_state_dict: the bfloat16 all-reduce's rounding should map names to flat tensors")
