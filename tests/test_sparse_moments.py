@@ -210,3 +210,39 @@ def test_the_fronts_take_the_period_and_a_pickled_state_keeps_it():
     assert [sh.sparse_moments.every for sh in several.sharings] == [0, 9]   # SGD keeps no second moment
     with pytest.raises(ValueError, match="sparse_moments"):
         gradshare.SharedOptimizer(torch.optim.Adam([p]), sparse_moments=-3)
+
+
+def _added_group_rank():
+    """A parameter group added after the decision (SharedOptimizer's add_param_group): detected again over all."""
+    import torch.distributed as dist
+
+    import gradshare
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _Model()
+    extra = torch.nn.Embedding(ROWS, 1)
+    torch.nn.init.zeros_(extra.weight)
+    opt = gradshare.SharedOptimizer(torch.optim.Adam(model.parameters(), lr=0.05), compression=gradshare.Dense(),
+                                    link=None)
+    sm = opt.sharing.sparse_moments
+    decisions = []
+    for step in range(3 * sparse_moments.DETECT_STEPS):
+        if step == sparse_moments.DETECT_STEPS + 2:
+            opt.add_param_group({"params": [extra.weight]})
+        idx, y = _rows(step, rank, world)
+        opt.zero_grad()
+        out = model(idx) + (extra(idx)[:, 0] if step >= sparse_moments.DETECT_STEPS + 2 else 0)
+        ((out - y) ** 2).mean().backward()
+        opt.step()
+        decisions.append(None if sm.sparse is None else list(sm.sparse))
+    return decisions
+
+
+def test_parameters_added_later_are_detected_again_with_the_others():
+    out = run_local(_added_group_rank, 2, (), threads=1, timeout=300)
+    assert out[0] == out[1]
+    d = out[0]
+    detect = sparse_moments.DETECT_STEPS
+    assert d[detect - 1] == [True, False, False]
+    assert d[detect + 2] is None                             # the added group's first step: counting again
+    assert d[2 * detect + 1] == [True, False, False, True]   # ten steps later, the new embedding found sparse too

@@ -116,6 +116,11 @@ class SparseMoments:
         world = dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
         if world <= 1:
             return 0
+        held = len(self.sparse) if self.sparse is not None else (
+            self.zero_share.numel() if self.zero_share is not None else len(params))
+        if held != len(params):
+            # Parameters were added (SharedOptimizer's add_param_group, on every rank alike): detect again over all
+            self.sparse, self.zero_share, self.observed = None, None, 0
         if self.sparse is None:
             shares = self._shares(params)
             self.zero_share = shares if self.zero_share is None else self.zero_share + shares
