@@ -246,3 +246,35 @@ def test_parameters_added_later_are_detected_again_with_the_others():
     assert d[detect - 1] == [True, False, False]
     assert d[detect + 2] is None                             # the added group's first step: counting again
     assert d[2 * detect + 1] == [True, False, False, True]   # ten steps later, the new embedding found sparse too
+
+
+def _delayed_rank():
+    """delay=1: the averaging runs while the step's exchange travels; replicas stay identical after flush()."""
+    import torch.distributed as dist
+
+    import gradshare
+    from gradshare.replicas import verify_replicas
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _Model()
+    opt = gradshare.SharedOptimizer(torch.optim.Adam(model.parameters(), lr=0.05), compression=gradshare.Dense(),
+                                    link=None, delay=1, sparse_moments=5)
+    for step in range(31):
+        idx, y = _rows(step, rank, world)
+        opt.zero_grad()
+        ((model(idx) - y) ** 2).mean().backward()
+        opt.step()
+    opt.flush()
+    verify_replicas(model)
+    st = opt.optimizer.state[model.emb.weight]["exp_avg_sq"]
+    return opt.sharing.sparse_moments.sparse, opt.sharing.sparse_moments.averaged, st.numpy().copy()
+
+
+def test_the_averaging_runs_beside_a_delayed_exchange():
+    out = run_local(_delayed_rank, 2, (), threads=1, timeout=300)
+    (s0, n0, v0), (s1, n1, v1) = out
+    assert s0 == s1 == [True, False, False]
+    # With delay=1 a step counts once its exchange has landed: the k-th step() sees k - 1 steps done, so the
+    # decision comes at the 10th call (9 done) and averagings at 10, 15, ..., 30 done, the last in the 31st call
+    assert n0 == n1 == len([s for s in range(sparse_moments.DETECT_STEPS, 31) if s % 5 == 0])
+    assert np.array_equal(v0, v1)            # averaged in the last step(): the same on both ranks

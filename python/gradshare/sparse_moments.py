@@ -31,7 +31,7 @@ Adamax and Adafactor, whose divisor is no mean square (gradshare.second_moment k
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -127,7 +127,7 @@ class SparseMoments:
             self.observed += 1
             if self.observed < DETECT_STEPS:
                 return 0
-            mean = self.zero_share.to(self._device(params)).div_(self.observed * world)
+            mean = self.zero_share.to(self._device(params)).div(self.observed * world)
             dist.all_reduce(mean, group=process_group)
             self.sparse = [bool(x >= SPARSE_SHARE) for x in mean.tolist()]
             self.zero_share = None
@@ -165,7 +165,8 @@ class SparseMoments:
         return params[0].device if len(params) else torch.device("cpu")
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"every": self.every, "observed": self.observed, "sparse": self.sparse, "averaged": self.averaged,
+        """The detection's progress or decision (the period is the constructor's)."""
+        return {"observed": self.observed, "sparse": self.sparse, "averaged": self.averaged,
                 "zero share": None if self.zero_share is None else self.zero_share.clone()}
 
     def load_state_dict(self, state: Optional[Dict[str, Any]], count: int) -> None:
