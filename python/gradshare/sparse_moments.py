@@ -12,9 +12,7 @@ the events of the whole batch again (averaging keeps it a rank's own estimate: g
 Measured on bench/quality.py's ``recommender`` (matrix factorization, Adam, 2 ranks, 3 seeds; README, "Embedding
 tables"), the defaults without it ended +3.4% of DDP's validation error, and about as much with every update sent
 whole: the gap came from the second moment, not the compression. Averaged every 25 / 50 / 100 / 200 steps they
-ended -5.1% / -5.0% / -3.0% / +1.0%, at 31.7x / 46.5x / 60.5x / 71.3x fewer bytes than DDP (86.7x without); on
-the transformer LM, where every element gets a gradient every step, averaging every parameter's every 100 steps
-changed nothing (2.1693 against 2.1685, 3 seeds).
+ended -5.1% / -5.0% / -3.0% / +1.0%, at 31.7x / 46.5x / 60.5x / 71.3x fewer bytes than DDP (86.7x without).
 
 So the ranks average only the second moment of parameters whose gradients are mostly zero: over the first
 :data:`DETECT_STEPS` steps that share updates, each rank counts, per parameter, the share of the elements its
